@@ -1,0 +1,20 @@
+"""specjax: speculative decoding for LLMs in JAX/XLA.
+
+Data flow: `LLM` (request API) -> `engine.Engine` (host loop: slots, KV blocks, batching) ->
+`engine.step` (one pure jitted step) -> `pallas_kernels` (kernels + jnp references) -> results.
+"""
+from specjax.engine.engine import Engine, EngineConfig
+from specjax.engine.request import RequestOutput, RequestStats
+from specjax.llm import LLM
+from specjax.sampling_params import SamplingParams
+from specjax.speculative.config import (DraftTargetConfig, NGramConfig, SpeculativeConfig,
+                                        UserProvidedConfig)
+from specjax.speculative.drafters import Drafter, NGramDrafter
+from specjax.speculative.factory import get_spec_drafter, get_spec_worker
+from specjax.speculative.modes import SpeculativeDecodingMode
+from specjax.speculative.schedule import SpeculationGate, get_draft_len_for_batch_size
+
+__all__ = ["DraftTargetConfig", "Drafter", "Engine", "EngineConfig", "LLM", "NGramConfig",
+           "NGramDrafter", "RequestOutput", "RequestStats", "SamplingParams", "SpeculationGate",
+           "SpeculativeConfig", "SpeculativeDecodingMode", "UserProvidedConfig",
+           "get_draft_len_for_batch_size", "get_spec_drafter", "get_spec_worker"]

@@ -1,0 +1,1 @@
+"""Benchmark scripts (`python -m specjax.bench ...`): figures are printed, never asserted."""

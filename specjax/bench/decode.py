@@ -1,0 +1,128 @@
+"""Plain decoding: specjax vs Hugging Face transformers `generate` on the same weights.
+
+Both run in one command, one after the other, on identical prompts; each is warmed up first.
+transformers runs in a child process so that neither framework's idle worker threads (OpenMP
+spin-waits, XLA's pool) steal the 2 cores from the other while it is being timed.
+Host overhead is the part of an engine step not spent in the compiled step itself, measured as
+(engine step time - back-to-back compiled step time) / engine step time.
+"""
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+from flax import nnx
+
+from specjax.llm import LLM
+from specjax.models import Llama, ModelConfig, save_hf_checkpoint
+from specjax.models.registry import resolve_model_path
+from specjax.sampling_params import SamplingParams
+
+# A Llama-shaped model of about 25M parameters (random weights: speed does not depend on them).
+RANDOM_25M = ModelConfig(vocab_size=4096, hidden_size=512, intermediate_size=1408, num_layers=8,
+                         num_heads=8, num_kv_heads=4, head_dim=64, max_position_embeddings=1024,
+                         tie_word_embeddings=False)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="random-25m",
+                        help="'random-25m' (default), 'bundled' or a checkpoint folder")
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--prompt-len", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs; the best is kept")
+    parser.add_argument("--no-hf", action="store_true", help="skip transformers")
+
+
+def _best_time(fn, repeats: int) -> float:
+    fn()  # warm
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def _compiled_step_time(llm: LLM, batch_size: int, start_pos: int, iters: int = 30) -> float:
+    """Seconds per back-to-back call of the compiled decode step at a typical position."""
+    engine = llm.engine
+    bucket = next(b for b in engine.decode_buckets if b >= batch_size)
+    batch = engine._empty_batch(bucket, 1, as_numpy=True)
+    batch["query_lens"][:batch_size] = 1
+    batch["start_pos"][:batch_size] = start_pos
+    blocks = -(-(start_pos + 1) // engine.config.tokens_per_block)
+    for i in range(batch_size):  # real-looking block tables; garbage content is fine for timing
+        batch["block_tables"][i, :blocks] = 1 + (i * blocks + np.arange(blocks)) % (
+            engine.allocator.total_blocks)
+    from specjax.engine.batch import StepBatch
+    batch = StepBatch(**batch)
+    for _ in range(3):
+        engine.kv, out = engine._step(engine.params, engine.kv, batch)
+    jax.block_until_ready(out.tokens)
+    start = time.perf_counter()
+    for _ in range(iters):
+        engine.kv, out = engine._step(engine.params, engine.kv, batch)
+    jax.block_until_ready(out.tokens)
+    return (time.perf_counter() - start) / iters
+
+
+def _hf_generate(folder: str, prompts: list[list[int]], max_tokens: int, repeats: int):
+    """Child process: best wall time of transformers' greedy generate, and its tokens."""
+    import torch
+    import transformers
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    ids = torch.tensor(prompts)
+    gen = lambda: hf.generate(ids, max_new_tokens=max_tokens, min_new_tokens=max_tokens,
+                              do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        best = _best_time(gen, repeats)
+        tokens = gen()[:, len(prompts[0]):].tolist()
+    versions = (f"transformers {transformers.__version__}, torch {torch.__version__}, "
+                f"{torch.get_num_threads()} threads")
+    return best, tokens, versions
+
+
+def run(args: argparse.Namespace) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.model == "random-25m":
+            folder = Path(tmp) / "random-25m"
+            save_hf_checkpoint(Llama(RANDOM_25M, rngs=nnx.Rngs(0)), folder)
+        else:
+            folder = resolve_model_path(args.model)
+        llm = LLM(str(folder), dtype="float32", max_batch_size=max(args.batch_sizes),
+                  max_model_len=min(1024, args.prompt_len + args.max_tokens + 16))
+        cfg = llm.model.config
+        print(f"model: {args.model} ({cfg.num_params / 1e6:.1f}M parameters, {cfg.num_layers} "
+              f"layers, d={cfg.hidden_size}), float32, {args.max_tokens} new tokens, "
+              f"prompt {args.prompt_len} tokens, jax {jax.__version__} on {jax.devices()[0].platform}")
+        rng = np.random.default_rng(0)
+        params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
+        print(f"\n{'batch':>5} {'specjax tok/s':>14} {'HF tok/s':>10} {'ratio':>7} "
+              f"{'step ms':>8} {'compiled ms':>12} {'host overhead':>14} {'same tokens':>12}")
+        for bsz in args.batch_sizes:
+            prompts = rng.integers(0, cfg.vocab_size, size=(bsz, args.prompt_len)).tolist()
+            outs = []
+            t_sj = _best_time(lambda: outs.append(llm.generate(prompts, params)), args.repeats)
+            sj_tps = bsz * args.max_tokens / t_sj
+            step = t_sj / args.max_tokens
+            compiled = _compiled_step_time(llm, bsz, args.prompt_len + args.max_tokens // 2)
+            overhead = max(0.0, 1 - compiled / step)
+            hf_tps, same = float("nan"), "-"
+            if not args.no_hf:
+                ctx = multiprocessing.get_context("spawn")
+                with ctx.Pool(1) as pool:
+                    hf_time, ref, versions = pool.apply(
+                        _hf_generate, (str(folder), prompts, args.max_tokens, args.repeats))
+                hf_tps = bsz * args.max_tokens / hf_time
+                mine = [o.token_ids for o in outs[-1]]
+                same = f"{sum(a == b for a, b in zip(mine, ref))}/{bsz}"
+                if bsz == args.batch_sizes[0]:
+                    print(f"  (transformers side: {versions})")
+            print(f"{bsz:>5} {sj_tps:>14.1f} {hf_tps:>10.1f} {sj_tps / hf_tps:>6.2f}x "
+                  f"{step * 1e3:>8.2f} {compiled * 1e3:>12.2f} {overhead:>13.1%} {same:>12}")

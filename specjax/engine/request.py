@@ -1,0 +1,92 @@
+"""Host-side request state and what the user gets back."""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import time
+
+from specjax.sampling_params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"      # queued; holds no KV blocks
+    RUNNING = "running"      # has a slot and KV blocks
+    FINISHED = "finished"
+
+
+@dataclasses.dataclass
+class RequestStats:
+    """Per-request figures. Padding never counts: only this request's real tokens do."""
+
+    arrival_time: float = 0.0
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    decoding_iterations: int = 0   # target steps that produced tokens for this request
+    num_preemptions: int = 0
+    num_draft_tokens: int = 0      # drafts verified (real length, before padding)
+    num_accepted_draft_tokens: int = 0
+    num_generated_tokens: int = 0
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        if not self.num_draft_tokens:
+            return None
+        return self.num_accepted_draft_tokens / self.num_draft_tokens
+
+    @property
+    def acceptance_length(self) -> float | None:
+        """Tokens generated per decoding iteration (1.0 without speculation)."""
+        if not self.decoding_iterations:
+            return None
+        return self.num_generated_tokens / self.decoding_iterations
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    request_id: int
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None      # "stop", "length", "abort" or None while running
+    stats: RequestStats
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclasses.dataclass
+class Request:
+    request_id: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int
+    max_len: int                  # prompt + output may not exceed this (the context limit)
+    output_ids: list[int] = dataclasses.field(default_factory=list)
+    num_computed: int = 0         # leading tokens whose K/V are in the pool
+    status: Status = Status.WAITING
+    slot: int | None = None
+    draft_tokens: list[int] = dataclasses.field(default_factory=list)
+    finish_reason: str | None = None
+    text: str = ""
+    stats: RequestStats = dataclasses.field(default_factory=RequestStats)
+
+    def __post_init__(self):
+        self.stats.arrival_time = time.perf_counter()
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def pending(self) -> int:
+        """Tokens not yet in the KV pool (1 while decoding: the last sampled token)."""
+        return self.num_tokens - self.num_computed
+
+    def output(self) -> RequestOutput:
+        return RequestOutput(self.request_id, list(self.prompt_ids), list(self.output_ids),
+                             self.text, self.finish_reason, self.stats)

@@ -1,0 +1,55 @@
+"""Token filtering and sampling: the one place temperature, top-k, top-p and min-p are applied.
+
+Draft-side and target-side distributions must come from this same function with the same
+parameters, or rejection sampling silently corrupts the output distribution.
+
+Randomness is per request: the key for the token at position `p` is `fold_in(key(seed), p)`,
+so a seeded request samples the same tokens whatever else is in the batch, and a request
+recomputed after preemption samples what it sampled before.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def filter_logits(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
+                  top_p: jax.Array, min_p: jax.Array) -> jax.Array:
+    """Scale by temperature, then keep the top-k, the top-p nucleus and tokens >= min_p * max.
+
+    logits `[..., V]` float32; each parameter `[...]` (one per row): temperature <= 0 is
+    treated as 1 (greedy rows take the argmax elsewhere), top_k <= 0 disables top-k, top_p = 1
+    and min_p = 0 disable theirs. Top-p is measured on the top-k-renormalised distribution.
+    Returns `[..., V]` logits with dropped tokens at -inf; ties at the cut are all kept.
+    """
+    V = logits.shape[-1]
+    t = jnp.where(temperature > 0, temperature, 1.0)[..., None]
+    x = logits.astype(jnp.float32) / t
+    ordered = -jnp.sort(-x, axis=-1)  # descending
+    rank = jnp.arange(V)
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, V), V)[..., None]
+    in_top_k = rank < k
+    probs = jax.nn.softmax(jnp.where(in_top_k, ordered, -jnp.inf), axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    # Keep while the mass before a token is below top_p: the first token is always kept.
+    keep = in_top_k & (mass_before < top_p[..., None])
+    last_kept = jnp.sum(keep, axis=-1, keepdims=True) - 1
+    threshold = jnp.take_along_axis(ordered, last_kept, axis=-1)
+    min_p_cut = ordered[..., :1] + jnp.log(jnp.maximum(min_p, 1e-30))[..., None]
+    threshold = jnp.maximum(threshold, jnp.where(min_p[..., None] > 0, min_p_cut, -jnp.inf))
+    return jnp.where(x >= threshold, x, -jnp.inf)
+
+
+def sampling_keys(seeds: jax.Array, positions: jax.Array) -> jax.Array:
+    """seeds `[B]` uint32, positions `[B]` -> one typed PRNG key per row `[B]`."""
+    return jax.vmap(lambda s, p: jax.random.fold_in(jax.random.key(s), p))(seeds, positions)
+
+
+def sample(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
+           min_p: jax.Array, keys: jax.Array) -> jax.Array:
+    """logits `[B, V]` -> tokens `[B]` int32: argmax where temperature == 0, else a draw from
+    the filtered distribution with the row's key."""
+    greedy = jnp.argmax(logits, axis=-1)
+    filtered = filter_logits(logits, temperature, top_k, top_p, min_p)
+    drawn = jax.vmap(jax.random.categorical)(keys, filtered)
+    return jnp.where(temperature > 0, drawn, greedy).astype(jnp.int32)

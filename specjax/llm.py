@@ -1,0 +1,97 @@
+"""`specjax.LLM`: load a model, warm the engine up, generate."""
+from __future__ import annotations
+
+import os
+from typing import Sequence
+
+from tqdm.auto import tqdm
+
+from specjax.engine.engine import Engine, EngineConfig
+from specjax.engine.request import RequestOutput
+from specjax.models import Llama, load_hf_checkpoint
+from specjax.models.registry import resolve_model_path
+from specjax.sampling_params import SamplingParams
+from specjax.speculative.config import DraftTargetConfig, SpeculativeConfig
+from specjax.speculative.factory import load_draft_model
+from specjax.tokenizer import Tokenizer
+
+Prompt = str | Sequence[int]
+
+
+class LLM:
+    """Offline generation.
+
+    `model` is "bundled" (the checkpoint shipped in `checkpoints/`), a local Hugging Face or
+    specjax checkpoint folder, or a `Llama` instance (then pass `tokenizer` for text prompts).
+    """
+
+    def __init__(self, model: str | os.PathLike | Llama = "bundled", *,
+                 tokenizer: Tokenizer | None = None, dtype: str | None = None,
+                 max_batch_size: int = 8, max_model_len: int | None = None,
+                 num_kv_blocks: int | None = None, tokens_per_block: int = 16,
+                 prefill_chunk: int = 64, max_prefill_rows: int = 2, seed: int | None = None,
+                 speculative_config: SpeculativeConfig | None = None,
+                 warmup: bool = True, progress: bool = True):
+        config = EngineConfig(max_batch_size=max_batch_size, max_model_len=max_model_len,
+                              tokens_per_block=tokens_per_block, num_kv_blocks=num_kv_blocks,
+                              prefill_chunk=prefill_chunk, max_prefill_rows=max_prefill_rows)
+        if isinstance(model, Llama):
+            self.model_path = None
+        else:
+            self.model_path = resolve_model_path(model)
+            model = load_hf_checkpoint(self.model_path, dtype=dtype)
+            if tokenizer is None and (self.model_path / "tokenizer.json").exists():
+                tokenizer = Tokenizer.from_folder(self.model_path)
+        self.model = model
+        self.tokenizer = tokenizer
+        if speculative_config is not None and not isinstance(speculative_config, SpeculativeConfig):
+            raise ValueError(f"speculative_config must be a SpeculativeConfig (e.g. "
+                             f"specjax.NGramConfig), got {type(speculative_config).__name__}")
+        draft_model = None
+        if isinstance(speculative_config, DraftTargetConfig):
+            draft_model = load_draft_model(speculative_config, model, dtype)
+        self.engine = Engine(model, tokenizer, config, seed=seed,
+                             speculative_config=speculative_config, draft_model=draft_model)
+        if warmup:
+            self.engine.warmup(progress=progress)
+
+    @property
+    def stats(self):
+        """Engine-wide statistics: acceptance length and rate, draft overhead, tokens."""
+        return self.engine.stats
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("prompt is text but this LLM has no tokenizer; pass token ids")
+            return self.tokenizer.encode(prompt, add_bos=True)
+        return list(prompt)
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 progress: bool = False) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in prompt order.
+
+        Every prompt and parameter set is validated before any request starts.
+        """
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        sampling_params = sampling_params or SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"sampling_params has {len(sampling_params)} entries for "
+                             f"{len(prompts)} prompts")
+        encoded = [self.encode(p) for p in prompts]
+        for ids, params in zip(encoded, sampling_params):
+            self.engine.validate(ids, params)
+        ids = [self.engine.add_request(e, p) for e, p in zip(encoded, sampling_params)]
+        order = {rid: i for i, rid in enumerate(ids)}
+        results: list[RequestOutput | None] = [None] * len(ids)
+        with tqdm(total=len(ids), desc="generate", disable=not progress) as bar:
+            while any(r is None for r in results):
+                for out in self.engine.step():
+                    if out.finished and out.request_id in order:
+                        results[order[out.request_id]] = out
+                        bar.update()
+        return results

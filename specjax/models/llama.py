@@ -1,0 +1,208 @@
+"""Llama-family decoder in Flax NNX: Llama 3, Mistral, Qwen2 (q/k/v bias), Qwen3 (q/k norm).
+
+Layer parameters are stacked on a leading `[L]` axis and the layers run under `lax.scan`, so the
+compiled program holds one layer body whatever the depth (compile time matters on CPU, and
+the jitted speculative step compiles once per shape). The layer body takes an `attend` callback:
+the dense reference forward here plugs in causal attention over the run itself; the paged engine
+plugs in attention over its KV pool, reusing every other line of the layer.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from specjax.models.config import ModelConfig
+from specjax.models.rope import apply_rope, rope_tables
+
+# Per-layer attention: (q [B,T,H,hd], k [B,T,KV,hd], v [B,T,KV,hd], layer index, state) ->
+# (out [B,T,H,hd], new state). `state` (e.g. the paged KV pool) is carried through the layer
+# loop rather than scanned over, so XLA updates it in place.
+AttendFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, Any], tuple[jax.Array, Any]]
+
+NO_WINDOW = 2**30  # stands for "no sliding window" inside the traced per-layer window array
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """Normalise in float32, cast back, then scale (the Hugging Face order, for exact parity)."""
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return weight * x32.astype(x.dtype)
+
+
+def layer_param_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Shapes of one layer's parameters (the stacked arrays add a leading `[L]`)."""
+    d, f, hd = config.hidden_size, config.intermediate_size, config.head_dim
+    q, kv = config.num_heads * hd, config.num_kv_heads * hd
+    shapes = {
+        "input_norm": (d,), "q_proj": (d, q), "k_proj": (d, kv), "v_proj": (d, kv),
+        "o_proj": (q, d), "post_norm": (d,), "gate_proj": (d, f), "up_proj": (d, f),
+        "down_proj": (f, d),
+    }
+    if config.qkv_bias:
+        shapes.update(q_bias=(q,), k_bias=(kv,), v_bias=(kv,))
+    if config.o_bias:
+        shapes["o_bias"] = (d,)
+    if config.mlp_bias:
+        shapes.update(gate_bias=(f,), up_bias=(f,), down_bias=(d,))
+    if config.qk_norm:
+        shapes.update(q_norm=(hd,), k_norm=(hd,))
+    return shapes
+
+
+def _is_norm(name: str) -> bool:
+    return name.endswith("norm")
+
+
+class Llama(nnx.Module):
+    """The target model. `model(tokens) -> logits`; see `forward` for hidden-state capture."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        self.config = config
+        dtype = jnp.dtype(config.dtype)
+        init = nnx.initializers.normal(config.initializer_range)
+        L, d = config.num_layers, config.hidden_size
+        self.embed = nnx.Param(init(rngs.params(), (config.vocab_size, d), dtype))
+        layers = {}
+        for name, shape in layer_param_shapes(config).items():
+            if _is_norm(name):
+                layers[name] = nnx.Param(jnp.ones((L, *shape), dtype))
+            elif name.endswith("bias"):
+                layers[name] = nnx.Param(jnp.zeros((L, *shape), dtype))
+            else:
+                layers[name] = nnx.Param(init(rngs.params(), (L, *shape), dtype))
+        self.layers = nnx.Dict(layers)
+        self.final_norm = nnx.Param(jnp.ones((d,), dtype))
+        if not config.tie_word_embeddings:
+            self.lm_head = nnx.Param(init(rngs.params(), (d, config.vocab_size), dtype))
+
+    # -- pieces reused by the engine's paged forward -------------------------------------------
+
+    def layer_params(self) -> dict[str, jax.Array]:
+        """Stacked layer parameters as plain arrays, `{name: [L, ...]}`."""
+        return {name: p[...] for name, p in self.layers.items()}
+
+    def embed_tokens(self, tokens: jax.Array) -> jax.Array:
+        """tokens `[B, T]` -> `[B, T, D]`."""
+        return jnp.take(self.embed[...], tokens, axis=0)
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        """Final norm + LM head: `[..., D]` -> float32 `[..., V]`."""
+        h = rms_norm(hidden, self.final_norm[...], self.config.rms_norm_eps)
+        head = self.embed[...].T if self.config.tie_word_embeddings else self.lm_head[...]
+        return (h @ head).astype(jnp.float32)
+
+    def run_layers(self, x: jax.Array, positions: jax.Array, attend: AttendFn, state: Any,
+                   capture_layers: Sequence[int] = ()) -> tuple[jax.Array, jax.Array, Any]:
+        """Run every decoder layer.
+
+        x `[B, T, D]`, positions `[B, T]`; `state` is carried through the layers and handed to
+        `attend` with the layer index. Returns (x `[B, T, D]`, captured `[C, B, T, D]` residual
+        streams after each layer in `capture_layers`, final state).
+        """
+        cfg = self.config
+        cos, sin = rope_tables(cfg, positions)
+        capture = jnp.asarray(tuple(capture_layers), jnp.int32).reshape(-1)
+        captured0 = jnp.zeros((capture.shape[0], *x.shape), x.dtype)
+
+        def body(carry, xs):
+            x, captured, state = carry
+            lp, index = xs
+            x, state = decoder_layer(cfg, lp, x, cos, sin,
+                                     lambda q, k, v, s: attend(q, k, v, index, s), state)
+            hit = (capture == index)[:, None, None, None]
+            captured = jnp.where(hit, x[None], captured)
+            return (x, captured, state), None
+
+        xs = (self.layer_params(), jnp.arange(cfg.num_layers))
+        (x, captured, state), _ = jax.lax.scan(body, (x, captured0, state), xs)
+        return x, captured, state
+
+    # -- dense reference forward (no cache) -----------------------------------------------------
+
+    def forward(self, tokens: jax.Array, positions: jax.Array | None = None,
+                capture_layers: Sequence[int] = ()) -> tuple[jax.Array, jax.Array]:
+        """Dense causal forward over whole sequences.
+
+        tokens `[B, T]` int32 -> (logits `[B, T, V]` float32, captured `[C, B, T, D]`), where
+        captured[c] is the residual stream after layer `capture_layers[c]` (0-based; Hugging
+        Face's `hidden_states[i + 1]`).
+        """
+        _check_capture_layers(self.config, capture_layers)
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+        windows = jnp.asarray([w or NO_WINDOW for w in (self.config.sliding_windows
+                                                         or (None,) * self.config.num_layers)])
+        attend = lambda q, k, v, layer, state: (
+            dense_attention(q, k, v, positions, positions, windows[layer]), state)
+        x, captured, _ = self.run_layers(self.embed_tokens(tokens), positions, attend, None,
+                                         capture_layers)
+        return self.logits(x), captured
+
+    def __call__(self, tokens: jax.Array, positions: jax.Array | None = None) -> jax.Array:
+        """tokens `[B, T]` int32 -> logits `[B, T, V]` float32."""
+        return self.forward(tokens, positions)[0]
+
+
+def _check_capture_layers(config: ModelConfig, layers: Sequence[int]) -> None:
+    for layer in layers:
+        if not 0 <= layer < config.num_layers:
+            raise ValueError(f"capture layer {layer} is outside the model's "
+                             f"{config.num_layers} layers (0..{config.num_layers - 1})")
+
+
+def decoder_layer(cfg: ModelConfig, lp: dict[str, jax.Array], x: jax.Array, cos: jax.Array,
+                  sin: jax.Array, attend: Callable, state: Any) -> tuple[jax.Array, Any]:
+    """One pre-norm decoder layer on x `[B, T, D]` with this layer's params `lp`;
+    `attend(q, k, v, state) -> (out, state)`."""
+    B, T, _ = x.shape
+    hd = cfg.head_dim
+    h = rms_norm(x, lp["input_norm"], cfg.rms_norm_eps)
+    q, k, v = h @ lp["q_proj"], h @ lp["k_proj"], h @ lp["v_proj"]
+    if cfg.qkv_bias:
+        q, k, v = q + lp["q_bias"], k + lp["k_bias"], v + lp["v_bias"]
+    q = q.reshape(B, T, cfg.num_heads, hd)
+    k = k.reshape(B, T, cfg.num_kv_heads, hd)
+    v = v.reshape(B, T, cfg.num_kv_heads, hd)
+    if cfg.qk_norm:
+        q = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps)
+        k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    attn, state = attend(q, k, v, state)
+    attn = attn.reshape(B, T, cfg.num_heads * hd) @ lp["o_proj"]
+    if cfg.o_bias:
+        attn = attn + lp["o_bias"]
+    x = x + attn
+    h = rms_norm(x, lp["post_norm"], cfg.rms_norm_eps)
+    gate, up = h @ lp["gate_proj"], h @ lp["up_proj"]
+    if cfg.mlp_bias:
+        gate, up = gate + lp["gate_bias"], up + lp["up_bias"]
+    down = (jax.nn.silu(gate) * up) @ lp["down_proj"]
+    if cfg.mlp_bias:
+        down = down + lp["down_bias"]
+    return x + down, state
+
+
+def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax.Array,
+                    k_positions: jax.Array, window: jax.Array | int = NO_WINDOW,
+                    k_valid: jax.Array | None = None) -> jax.Array:
+    """Grouped-query attention with a causal (and optional sliding-window) mask on positions.
+
+    q `[B, T, H, hd]`, k/v `[B, S, KV, hd]`, q_positions `[B, T]`, k_positions `[B, S]`,
+    k_valid `[B, S]` bool (optional) -> `[B, T, H, hd]`. Softmax runs in float32.
+    """
+    B, T, H, hd = q.shape
+    KV = k.shape[2]
+    qg = q.reshape(B, T, KV, H // KV, hd)
+    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k).astype(jnp.float32) * (hd ** -0.5)
+    distance = q_positions[:, :, None] - k_positions[:, None, :]  # [B, T, S]
+    mask = (distance >= 0) & (distance < window)
+    if k_valid is not None:
+        mask = mask & k_valid[:, None, :]
+    scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1)
+    probs = jnp.where(mask[:, None, None], probs, 0.0).astype(v.dtype)  # rows with no key -> 0
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
+    return out.reshape(B, T, H, hd)

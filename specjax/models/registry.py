@@ -1,0 +1,26 @@
+"""Where models come from: the bundled checkpoint or a local folder. Never a download."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+# Checkpoints trained by specjax itself live in the repository's top-level `checkpoints/`.
+CHECKPOINTS_DIR = Path(os.environ.get("SPECJAX_CHECKPOINTS",
+                                      Path(__file__).resolve().parents[2] / "checkpoints"))
+BUNDLED_TARGET = "stdlib-llama-7m"
+
+
+def resolve_model_path(model: str | os.PathLike) -> Path:
+    """"bundled" -> the shipped target; anything else must be an existing local folder."""
+    if str(model) == "bundled":
+        path = CHECKPOINTS_DIR / BUNDLED_TARGET
+        if not (path / "config.json").exists():
+            raise FileNotFoundError(
+                f"the bundled model is missing from {path}; install specjax from a source "
+                "checkout (pip install -e .) or set SPECJAX_CHECKPOINTS to its checkpoints/ folder")
+        return path
+    path = Path(model).expanduser()
+    if not path.is_dir():
+        raise ValueError(f"model: {str(model)!r} is neither 'bundled' nor an existing local folder "
+                         "(specjax never downloads models)")
+    return path

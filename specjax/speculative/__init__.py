@@ -1,0 +1,1 @@
+"""Speculative decoding: modes and configs, host drafters, in-step workers, the spec step."""

@@ -1,0 +1,52 @@
+"""The draft-target worker: a smaller model with its own paged KV drafts D tokens in the step.
+
+The draft pool shares the target's block tables (one allocator, two pools), so a request's
+positions map to the same blocks in both.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from specjax.engine.batch import StepBatch
+from specjax.engine.kv_cache import KVPool
+from specjax.engine.step import paged_forward
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftTargetWorker:
+    """Static (hashable) description of the draft model; its params travel as traced args."""
+
+    graphdef: nnx.GraphDef
+    capture_layers: tuple[int, ...] = ()   # target hidden states the worker reads (none here)
+
+    def catch_up(self, params: dict, kv: KVPool, batch: StepBatch) -> KVPool:
+        """Write the draft model's K/V for the same runs the target just processed."""
+        kv, _ = paged_forward(nnx.merge(self.graphdef, params), kv, batch)
+        return kv
+
+    def draft(self, params: dict, kv: KVPool, batch: StepBatch, new_tokens: jax.Array,
+              new_lens: jax.Array, num_drafts: int) -> tuple[KVPool, jax.Array]:
+        """After acceptance: catch up over the verified window, then draft `num_drafts` tokens
+        one at a time from each row's newest token. Returns (kv, drafts `[B, num_drafts]`)."""
+        model = nnx.merge(self.graphdef, params)
+        kv, _ = paged_forward(model, kv, batch)
+        B = new_tokens.shape[0]
+        if num_drafts == 0:
+            return kv, jnp.zeros((B, 0), jnp.int32)
+        newest = jnp.take_along_axis(new_tokens, (new_lens - 1)[:, None], axis=1)[:, 0]
+        live = (batch.query_lens > 0).astype(jnp.int32)
+
+        def one(carry, _):
+            kv, token, pos = carry
+            run = batch.replace(tokens=token[:, None], start_pos=pos, query_lens=live)
+            kv, hidden = paged_forward(model, kv, run)
+            nxt = jnp.argmax(model.logits(hidden[:, 0]), axis=-1).astype(jnp.int32)
+            return (kv, nxt, pos + 1), nxt
+
+        start = batch.start_pos + new_lens  # the newest token's position
+        (kv, _, _), drafts = jax.lax.scan(one, (kv, newest, start), None, length=num_drafts)
+        return kv, drafts.T

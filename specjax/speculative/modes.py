@@ -1,0 +1,61 @@
+"""Speculative decoding modes. Behaviour is chosen by these predicates, never by name chains.
+
+The numeric values are part of the serialized config format: never renumber or reuse them
+(2, 4 and 8 are retired).
+"""
+from __future__ import annotations
+
+import enum
+
+
+class SpeculativeDecodingMode(enum.IntEnum):
+    MTP = 1
+    MTP_EAGLE_ONE_MODEL = 3
+    EAGLE3_ONE_MODEL = 5
+    NGRAM = 6
+    SA = 7
+    DRAFT_TARGET_ONE_MODEL = 9
+    USER_PROVIDED = 10
+    SAVE_HIDDEN_STATES = 11
+    PARD = 12
+    DFLASH = 13
+    DSPARK = 14
+    NONE = 15
+    AUTO = 16
+
+    def use_one_engine(self) -> bool:
+        """Drafter and target run inside one jitted step."""
+        return self in _ONE_ENGINE
+
+    def needs_kv_cache_rewind(self) -> bool:
+        """Rejected draft positions must be returned to the KV pool."""
+        return self in _ONE_ENGINE or self is SpeculativeDecodingMode.NGRAM
+
+    def support_overlap_scheduler(self) -> bool:
+        """The host may process step N while the device runs step N+1."""
+        return self in _ONE_ENGINE
+
+    def without_logits(self) -> bool:
+        """The target step need not return full logits to the host."""
+        return self in _ONE_ENGINE
+
+    def has_spec_decoder(self) -> bool:
+        """A worker inside the step drafts, verifies and accepts."""
+        return self in _ONE_ENGINE
+
+    def has_spec_drafter(self) -> bool:
+        """A host-side Drafter only proposes tokens; the target verifies them."""
+        return self in (SpeculativeDecodingMode.NGRAM, SpeculativeDecodingMode.USER_PROVIDED)
+
+    def is_parallel_draft(self) -> bool:
+        """All D drafts come from one drafter pass."""
+        return self in (SpeculativeDecodingMode.PARD, SpeculativeDecodingMode.DFLASH,
+                        SpeculativeDecodingMode.DSPARK)
+
+
+_ONE_ENGINE = frozenset({
+    SpeculativeDecodingMode.MTP, SpeculativeDecodingMode.MTP_EAGLE_ONE_MODEL,
+    SpeculativeDecodingMode.EAGLE3_ONE_MODEL, SpeculativeDecodingMode.SA,
+    SpeculativeDecodingMode.PARD, SpeculativeDecodingMode.DFLASH,
+    SpeculativeDecodingMode.DSPARK, SpeculativeDecodingMode.DRAFT_TARGET_ONE_MODEL,
+})

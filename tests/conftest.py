@@ -1,0 +1,72 @@
+"""Shared tiny models and warmed-up engines: compile once per session, not once per test."""
+import pytest
+from flax import nnx
+
+from specjax.models import Llama, ModelConfig
+
+TINY = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
+                   num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=128,
+                   eos_token_id=None)
+
+
+@pytest.fixture(scope="session")
+def tiny_model():
+    return Llama(TINY, rngs=nnx.Rngs(0))
+
+
+@pytest.fixture(scope="session")
+def tiny_llm(tiny_model):
+    import specjax
+    return specjax.LLM(tiny_model, max_batch_size=4, tokens_per_block=4, prefill_chunk=8,
+                       max_prefill_rows=2, num_kv_blocks=80, progress=False, seed=0)
+
+
+# Tiny Hugging Face checkpoints, one per supported family, each with its distinguishing
+# feature switched on (llama3 RoPE scaling, Qwen2 q/k/v biases, Qwen3 q/k norm, tied
+# embeddings, Mistral's sliding window shorter than the sequences).
+HF_COMMON = dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+
+
+def _hf_families(transformers):
+    return {
+        "llama3": (transformers.LlamaConfig, dict(
+            rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, factor=8.0,
+                                 low_freq_factor=1.0, high_freq_factor=4.0,
+                                 original_max_position_embeddings=16),
+            tie_word_embeddings=False)),
+        "qwen2_bias": (transformers.Qwen2Config, dict(tie_word_embeddings=False)),
+        "qwen3_qknorm_tied": (transformers.Qwen3Config, dict(head_dim=16, tie_word_embeddings=True)),
+        "mistral_window": (transformers.MistralConfig, dict(sliding_window=5, head_dim=8,
+                                                            tie_word_embeddings=False)),
+        "llama_tied_linear": (transformers.LlamaConfig, dict(
+            rope_parameters=dict(rope_type="linear", rope_theta=10000.0, factor=2.0),
+            tie_word_embeddings=True, attention_bias=True, mlp_bias=True)),
+    }
+
+
+@pytest.fixture(scope="session")
+def hf_checkpoint(tmp_path_factory):
+    """hf_checkpoint(name) -> (folder, transformers model), built once per session."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    families, cache = _hf_families(transformers), {}
+
+    def build(name):
+        if name not in cache:
+            cfg_cls, extra = families[name]
+            config = cfg_cls(**HF_COMMON, **extra)
+            config._attn_implementation = "eager"
+            torch.manual_seed(0)
+            hf = transformers.AutoModelForCausalLM.from_config(config).eval()
+            # Fresh HF models have zero biases and unit norms, which would hide a skipped one.
+            gen = torch.Generator().manual_seed(0)
+            with torch.no_grad():
+                for p in hf.parameters():
+                    p.copy_(torch.randn(p.shape, generator=gen) * 0.2 + (1.0 if p.ndim == 1 else 0.0))
+            folder = tmp_path_factory.mktemp(name)
+            hf.save_pretrained(folder)
+            cache[name] = (folder, hf)
+        return cache[name]
+
+    return build
