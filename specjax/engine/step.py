@@ -7,6 +7,8 @@ compiles once per (batch bucket, run width).
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -57,6 +59,7 @@ def last_rows(hidden: jax.Array, query_lens: jax.Array) -> jax.Array:
     return jnp.take_along_axis(hidden, index[:, None, None], axis=1)[:, 0]
 
 
+@functools.lru_cache(maxsize=None)  # engines over one model share compiled steps
 def make_step(graphdef: nnx.GraphDef, worker=None):
     """Build the jitted plain step for models of this graph definition.
 

@@ -83,8 +83,9 @@ class NGramDrafter(Drafter):
                 pattern = tuple(tokens[pos:pos + size])
                 continuation = tuple(tokens[pos + size:pos + size + self.max_draft_len])
                 stored = pool.get(pattern)
+                # Stored continuations stay ordered longest first, so the first is the longest.
                 if stored is None or (not self.is_keep_all
-                                      and len(continuation) > max(map(len, stored))):
+                                      and len(continuation) > len(next(iter(stored)))):
                     pool[pattern] = {continuation: None}
                 elif continuation not in stored:
                     for old in [c for c in stored if len(c) < len(continuation)]:

@@ -6,6 +6,8 @@ the function compiles once per (batch bucket, runtime draft length).
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx, struct
@@ -22,6 +24,7 @@ class SpecOutput:
     next_draft_tokens: jax.Array   # [B, D] (width 0 for host-drafter modes)
 
 
+@functools.lru_cache(maxsize=None)  # engines over one model share compiled steps
 def make_spec_step(graphdef: nnx.GraphDef, worker=None):
     def spec_step(params: dict, kv: dict, batch: StepBatch) -> tuple[dict, SpecOutput]:
         D = batch.tokens.shape[1] - 1
