@@ -20,6 +20,8 @@ class StepBatch:
     top_p: jax.Array         # [B] float32 (1 = off)
     min_p: jax.Array         # [B] float32 (0 = off)
     seeds: jax.Array         # [B] uint32
+    slots: jax.Array         # [B] int32: the request's sequence slot (padded rows: the spare)
+    max_lens: jax.Array      # [B] int32: prompt + output may not exceed this many tokens
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -29,3 +31,24 @@ class StepBatch:
 @struct.dataclass
 class StepOutput:
     tokens: jax.Array        # [B] int32: the token sampled after each row's run
+
+
+@struct.dataclass
+class SlotState:
+    """Per-slot device state that lets a step start where the previous one ended without a
+    host round trip: the overlap scheduler dispatches step N+1 before reading step N.
+
+    Every step writes it for its rows; steps of in-step-drafter modes read their runs from it.
+    Row S (one past the last slot) is the spare that padded rows write to.
+    """
+
+    run: jax.Array           # [S+1, D_max+1] int32: newest token, then its drafts
+    start: jax.Array         # [S+1] int32: position of the newest token
+    num_drafts: jax.Array    # [S+1] int32: drafts in `run` (0 after prefill or plain decode)
+
+
+def make_slot_state(num_slots: int, max_draft_len: int) -> SlotState:
+    import jax.numpy as jnp
+    return SlotState(run=jnp.zeros((num_slots + 1, max_draft_len + 1), jnp.int32),
+                     start=jnp.zeros(num_slots + 1, jnp.int32),
+                     num_drafts=jnp.zeros(num_slots + 1, jnp.int32))

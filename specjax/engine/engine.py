@@ -16,7 +16,7 @@ import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
-from specjax.engine.batch import StepBatch
+from specjax.engine.batch import StepBatch, make_slot_state
 from specjax.engine.kv_cache import NULL_BLOCK, BlockAllocator, OutOfBlocks, make_kv_pool
 from specjax.engine.request import Request, RequestOutput, Status
 from specjax.engine.stats import EngineStats
@@ -26,7 +26,7 @@ from specjax.sampling_params import SamplingParams
 from specjax.speculative.config import SpeculativeConfig
 from specjax.speculative.factory import get_spec_drafter, get_spec_worker
 from specjax.speculative.schedule import SpeculationGate, get_draft_len_for_batch_size
-from specjax.speculative.step import make_spec_step
+from specjax.speculative.step import SpecOutput, make_spec_step
 from specjax.tokenizer import Tokenizer
 
 
@@ -49,6 +49,8 @@ class EngineConfig:
     num_kv_blocks: int | None = None    # default: room for max_batch_size full-length requests
     prefill_chunk: int = 64             # run width of prompt-chunk steps
     max_prefill_rows: int = 2           # per-step prompt token budget = chunk x rows
+    # Dispatch step N+1 before reading step N, in modes whose next inputs stay on device.
+    overlap_scheduler: bool = True
 
     def __post_init__(self):
         for name in ("max_batch_size", "tokens_per_block", "prefill_chunk", "max_prefill_rows"):
@@ -92,6 +94,7 @@ class Engine:
         if self.worker is not None:
             self.params["draft"] = nnx.to_pure_dict(nnx.split(draft_model)[1])
             self.kv["draft"] = make_kv_pool(draft_model.config, num_blocks, bs, mc.dtype)
+        self.kv["slots"] = make_slot_state(config.max_batch_size, self.max_draft_len)
         self.allocator = BlockAllocator(num_blocks, bs)
         self._step = make_step(self.graphdef, self.worker)
         self._spec_step = make_spec_step(self.graphdef, self.worker) if self.spec else None
@@ -99,6 +102,11 @@ class Engine:
         self.gate = (SpeculationGate(spec.acceptance_rate_window_size, spec.acceptance_rate_threshold)
                      if spec and spec.acceptance_rate_window_size > 0 else None)
         self.stats = EngineStats()
+        self.overlap = bool(config.overlap_scheduler and spec and self.worker is not None
+                            and spec.mode.support_overlap_scheduler())
+        self._inflight = None       # (step id, rows, draft_len, output) of an unread step
+        self._step_id = 0
+        self._advanced: dict[int, Request] = {}
         self.decode_buckets = power_of_two_buckets(config.max_batch_size)
         self.prefill_buckets = power_of_two_buckets(config.max_prefill_rows)
         self.waiting: collections.deque[Request] = collections.deque()
@@ -120,11 +128,15 @@ class Engine:
     def warmup_shapes(self) -> list[tuple[str, int, int]]:
         """(step kind, batch bucket, run width) for every step serving can dispatch."""
         shapes = [("plain", b, self.config.prefill_chunk) for b in self.prefill_buckets]
-        shapes += [("plain", b, 1) for b in self.decode_buckets]
+        if self.worker is None:
+            shapes += [("plain", b, 1) for b in self.decode_buckets]
         if self.spec is not None:
             spec = {(self._bucket(n, self.decode_buckets), self.draft_len_for(n))
                     for n in range(1, self.config.max_batch_size + 1)}
-            shapes += [("spec", b, d + 1) for b, d in sorted(spec) if d > 0]
+            if self.worker is not None and self.gate is not None:  # after the gate trips
+                spec |= {(b, 0) for b in self.decode_buckets}
+            shapes += [("spec", b, d + 1) for b, d in sorted(spec)
+                       if d > 0 or self.worker is not None]
         return shapes
 
     def warmup(self, progress: bool = True) -> None:
@@ -172,13 +184,19 @@ class Engine:
         self._finish(request, "abort")
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self._inflight)
 
     # -- one iteration -------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Admit, schedule, run, and update. Returns outputs of requests that advanced."""
+        """Admit, schedule, run, and update. Returns outputs of requests that advanced.
+
+        With the overlap scheduler the generation step dispatched here is read in the next
+        call, while the device runs that call's step; the host then sees results one step
+        late, so KV reservations cover the unread step's largest possible advance too.
+        """
         start = time.perf_counter()
+        self._advanced = {}
         self._admit()
         prefill = self._schedule_prefill()
         generation, draft_len = self._schedule_generation()
@@ -187,31 +205,43 @@ class Engine:
             runs = [(r, r.all_ids[r.num_computed:r.num_computed + n]) for r, n in prefill]
             prefill_out = self._launch(self._step, runs, self.config.prefill_chunk,
                                        self.prefill_buckets)
+        dispatched = None
         if generation:
-            fn = self._spec_step if draft_len > 0 else self._step
+            fn = self._spec_step if draft_len > 0 or self.worker is not None else self._step
             runs = [(r, [r.all_ids[-1]] + r.draft_tokens[:drafted]) for r, _, drafted in generation]
-            gen_out = self._launch(fn, runs, draft_len + 1, self.decode_buckets)
-        advanced: dict[int, Request] = {}
+            self._step_id += 1
+            dispatched = (self._step_id, generation, draft_len,
+                          self._launch(fn, runs, draft_len + 1, self.decode_buckets))
+            for request, reserve, _ in generation:
+                request.latest_step, request.latest_reserve = self._step_id, reserve
+                request.latest_advance = draft_len + 1
+        previous, self._inflight = self._inflight, (dispatched if self.overlap else None)
+        if previous is not None:  # read step N while step N+1 runs
+            self._apply_generation(*previous)
+        if dispatched is not None and not self.overlap:
+            self._apply_generation(*dispatched)
         if prefill:
-            tokens = np.asarray(prefill_out.tokens)  # the device->host reads of the iteration
+            tokens = np.asarray(prefill_out.tokens)
             for i, (request, n) in enumerate(prefill):
                 request.num_computed += n
                 if request.num_computed == request.num_tokens:
+                    request.prefilled = True
                     self._append(request, [int(tokens[i])])
-                    advanced[request.request_id] = request
-        if generation:
-            if draft_len > 0:
-                self._update_requests(generation, draft_len, gen_out)
-            else:
-                tokens = np.asarray(gen_out.tokens)
-                for i, (request, reserve, _) in enumerate(generation):
-                    request.num_computed += 1
-                    self._append(request, [int(tokens[i])])
-            for request, _, _ in generation:
-                advanced[request.request_id] = request
+                    self._advanced[request.request_id] = request
         self.num_steps += 1
         self.stats.step_time += time.perf_counter() - start
-        return [r.output() for r in advanced.values()]
+        return [r.output() for r in self._advanced.values()]
+
+    def _drain(self) -> None:
+        """Read the unread step now (before preempting, or when reservations do not fit)."""
+        if self._inflight is not None:
+            inflight, self._inflight = self._inflight, None
+            self._apply_generation(*inflight)
+
+    def _unread_advance(self, request: Request) -> int:
+        """Tokens a dispatched but unread step may still add to `request`."""
+        unread = self._inflight is not None and request.latest_step == self._inflight[0]
+        return request.latest_advance if unread else 0
 
     def _admit(self) -> None:
         # Blocks already promised to running requests' unprocessed tokens are not free to give.
@@ -236,7 +266,7 @@ class Engine:
         for request in self.running:
             if len(rows) == self.config.max_prefill_rows:
                 break
-            if request.pending > 1:
+            if not request.prefilled:
                 n = min(request.pending, self.config.prefill_chunk)
                 if self.allocator.can_add(request.request_id, n):
                     self.allocator.add_tokens(request.request_id, n)
@@ -245,18 +275,25 @@ class Engine:
 
     def _schedule_generation(self) -> tuple[list[tuple[Request, int, int]], int]:
         """Rows whose newest token is pending, each with (request, reserved positions, real
-        draft length), and the runtime draft length of the step."""
-        candidates = [r for r in self.running if r.pending == 1]
+        draft length as the host knows it), and the runtime draft length of the step."""
+        candidates = [r for r in self.running if r.prefilled]
         draft_len = self.draft_len_for(len(candidates)) if candidates else 0
         # Verify writes the newest token + D drafts; an in-step drafter D more.
         reserve = 1 + draft_len * (2 if self.worker is not None else 1)
+        need = lambda r: max(0, r.num_computed + self._unread_advance(r) + reserve
+                             - self.allocator.length(r.request_id))
+        if self._inflight is not None and sum(
+                self.allocator.blocks_needed(r.request_id, need(r)) for r in candidates
+        ) > self.allocator.num_free_blocks:
+            self._drain()  # exact lengths free the unread step's worst-case reservation
+            candidates = [r for r in candidates if r.status is Status.RUNNING]
         rows = []
         for request in candidates:
             if request.status is not Status.RUNNING:
                 continue  # preempted while making room for an earlier row
             while True:
                 try:
-                    self.allocator.add_tokens(request.request_id, reserve)
+                    self.allocator.add_tokens(request.request_id, need(request))
                     rows.append(request)
                     break
                 except OutOfBlocks:
@@ -273,30 +310,42 @@ class Engine:
                 request.draft_tokens = self.drafter.propose_for(
                     request.request_id, request.all_ids, draft_len)
                 self.stats.draft_time += time.perf_counter() - t0
-            # Snapshot the real draft length before padding: the statistics' denominator.
             room = request.max_len - request.num_tokens - 1
             drafted = max(0, min(len(request.draft_tokens), draft_len, room))
             out.append((request, reserve, drafted))
         return out, draft_len
 
-    def _update_requests(self, rows: list[tuple[Request, int, int]], draft_len: int, out) -> None:
-        """Apply a speculative step's results, in the order that keeps stats and KV right."""
-        new_tokens = np.asarray(out.new_tokens)
-        lens = np.asarray(out.new_tokens_lens)
-        next_drafts = np.asarray(out.next_draft_tokens)
+    def _apply_generation(self, step_id: int, rows: list[tuple[Request, int, int]],
+                          draft_len: int, out) -> None:
+        """Apply a generation step's results, in the order that keeps stats and KV right."""
+        spec = isinstance(out, SpecOutput)
+        if spec:
+            new_tokens = np.asarray(out.new_tokens)
+            lens = np.asarray(out.new_tokens_lens)
+            draft_lens = np.asarray(out.draft_lens)
+            next_drafts = np.asarray(out.next_draft_tokens)
+        else:
+            new_tokens = np.asarray(out.tokens)[:, None]
+            lens = np.ones(len(new_tokens), np.int32)
+            draft_lens = np.zeros(len(new_tokens), np.int32)
         accepted_sum = drafted_sum = with_drafts = 0
-        for i, (request, reserve, drafted_len) in enumerate(rows):
+        for i, (request, reserve, _) in enumerate(rows):
+            if request.status is not Status.RUNNING:
+                continue  # finished or cancelled while this step was in flight
             num_accepted = int(lens[i]) - 1
             verified_len = draft_len
+            drafted_len = int(draft_lens[i])  # the device's real length, snapshotted unpadded
             num_drafts_verified = min(drafted_len, verified_len)
             rewind_len = verified_len - num_accepted
-            slack = reserve - 1 - verified_len  # reserve the in-step drafter used, now unused
-            # Give back the rejected positions and the slack: only the newest token and the
-            # accepted drafts keep their K/V.
-            self.allocator.rewind(request.request_id, rewind_len + slack)
             request.num_computed += num_accepted + 1
-            # Only now do the next drafts replace the verified ones.
-            request.draft_tokens = [int(t) for t in next_drafts[i, :draft_len]]
+            # Give back the rejected positions and the unused reserve (what an in-step drafter
+            # wrote past them) -- but keep what a newer, still unread step may write.
+            newer = request.latest_reserve if request.latest_step != step_id else 0
+            give_back = self.allocator.length(request.request_id) - request.num_computed - newer
+            assert newer or give_back == rewind_len + reserve - 1 - verified_len
+            self.allocator.rewind(request.request_id, give_back)
+            if spec:  # only now do the next drafts replace the verified ones
+                request.draft_tokens = [int(t) for t in next_drafts[i, :draft_len]]
             stats = request.stats
             stats.num_draft_tokens += num_drafts_verified
             stats.num_accepted_draft_tokens += num_accepted
@@ -305,6 +354,7 @@ class Engine:
                 accepted_sum += num_accepted
                 drafted_sum += num_drafts_verified
             self._append(request, [int(t) for t in new_tokens[i, :num_accepted + 1]])
+            self._advanced[request.request_id] = request
         self.stats.record_step(with_drafts, accepted_sum, drafted_sum)
         if self.gate is not None and drafted_sum > 0:
             disabled_now, _ = self.gate.record_acceptance_rate(accepted_sum / drafted_sum)
@@ -328,6 +378,7 @@ class Engine:
         self.running.remove(request)
         self._free_slots.append(request.slot)
         request.slot, request.num_computed = None, 0
+        request.prefilled = False  # recompute every token, then sample the next one
         request.draft_tokens = []
         request.status = Status.WAITING
         request.stats.num_preemptions += 1
@@ -354,6 +405,8 @@ class Engine:
             batch["top_p"][i] = p.top_p
             batch["min_p"][i] = p.min_p
             batch["seeds"][i] = request.seed
+            batch["slots"][i] = request.slot
+            batch["max_lens"][i] = request.max_len
         self.kv, out = fn(self.params, self.kv, StepBatch(**batch))
         return out
 
@@ -368,6 +421,8 @@ class Engine:
             top_p=np.ones(rows, np.float32),
             min_p=np.zeros(rows, np.float32),
             seeds=np.zeros(rows, np.uint32),
+            slots=np.full(rows, self.config.max_batch_size, np.int32),  # the spare slot
+            max_lens=np.zeros(rows, np.int32),
         )
         return batch if as_numpy else StepBatch(**batch)
 

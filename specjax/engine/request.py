@@ -64,9 +64,13 @@ class Request:
     max_len: int                  # prompt + output may not exceed this (the context limit)
     output_ids: list[int] = dataclasses.field(default_factory=list)
     num_computed: int = 0         # leading tokens whose K/V are in the pool
+    prefilled: bool = False       # every token went through a step since (re)admission
     status: Status = Status.WAITING
     slot: int | None = None
     draft_tokens: list[int] = dataclasses.field(default_factory=list)
+    latest_step: int = 0          # id of the newest generation step dispatched for it
+    latest_reserve: int = 0       # positions that step may write past the newest token
+    latest_advance: int = 0       # tokens that step may add
     finish_reason: str | None = None
     text: str = ""
     stats: RequestStats = dataclasses.field(default_factory=RequestStats)

@@ -76,6 +76,11 @@ def make_step(graphdef: nnx.GraphDef, worker=None):
         kv = {**kv, "target": kv_target}
         if worker is not None:
             kv["draft"] = worker.catch_up(params["draft"], kv["draft"], batch)
+        slots = kv["slots"]
+        kv["slots"] = slots.replace(
+            run=slots.run.at[batch.slots].set(0).at[batch.slots, 0].set(tokens),
+            start=slots.start.at[batch.slots].set(batch.start_pos + batch.query_lens),
+            num_drafts=slots.num_drafts.at[batch.slots].set(0))
         return kv, StepOutput(tokens=tokens)
 
     return jax.jit(step, donate_argnums=(1,))

@@ -22,23 +22,46 @@ class SpecOutput:
     new_tokens: jax.Array          # [B, D+1]: accepted drafts, then the correction/bonus token
     new_tokens_lens: jax.Array     # [B]: accepted + 1
     next_draft_tokens: jax.Array   # [B, D] (width 0 for host-drafter modes)
+    draft_lens: jax.Array          # [B]: real drafts verified (before padding)
+
+
+def runs_from_slots(batch: StepBatch, slots, D: int) -> StepBatch:
+    """Take each row's run from device slot state: its newest token and as many of its drafts
+    as the runtime length and the room left allow. Rows the host marked real (query_lens > 0)
+    stay real; padded rows stay empty."""
+    start = slots.start[batch.slots]
+    room = batch.max_lens - start - 2  # a step emits drafts + 1 tokens after the newest
+    drafts = jnp.clip(jnp.minimum(slots.num_drafts[batch.slots], jnp.minimum(D, room)), 0)
+    return batch.replace(tokens=slots.run[batch.slots, :D + 1], start_pos=start,
+                         query_lens=jnp.where(batch.query_lens > 0, 1 + drafts, 0))
 
 
 @functools.lru_cache(maxsize=None)  # engines over one model share compiled steps
 def make_spec_step(graphdef: nnx.GraphDef, worker=None):
     def spec_step(params: dict, kv: dict, batch: StepBatch) -> tuple[dict, SpecOutput]:
         D = batch.tokens.shape[1] - 1
+        if worker is not None:  # in-step drafters leave the next run on device
+            batch = runs_from_slots(batch, kv["slots"], D)
         model = nnx.merge(graphdef, params["target"])
         kv_target, hidden = paged_forward(model, kv["target"], batch)
         targets = target_tokens(model.logits(hidden), batch.start_pos, batch.temperature,
                                 batch.top_k, batch.top_p, batch.min_p, batch.seeds)
         new_tokens, lens = strict_accept(batch.tokens[:, 1:], batch.query_lens - 1, targets)
         kv = {**kv, "target": kv_target}
+        B = batch.tokens.shape[0]
         if worker is None:
-            drafts = jnp.zeros((batch.tokens.shape[0], 0), jnp.int32)
+            drafts = jnp.zeros((B, 0), jnp.int32)
         else:
             kv["draft"], drafts = worker.draft(params["draft"], kv["draft"], batch, new_tokens,
                                                lens, D)
-        return kv, SpecOutput(new_tokens, lens, drafts)
+        slots = kv["slots"]
+        newest = jnp.take_along_axis(new_tokens, (lens - 1)[:, None], axis=1)
+        run = jnp.zeros((B, slots.run.shape[1]), jnp.int32).at[:, :D + 1].set(
+            jnp.concatenate([newest, drafts], axis=1))
+        kv["slots"] = slots.replace(
+            run=slots.run.at[batch.slots].set(run),
+            start=slots.start.at[batch.slots].set(batch.start_pos + lens),
+            num_drafts=slots.num_drafts.at[batch.slots].set(drafts.shape[1]))
+        return kv, SpecOutput(new_tokens, lens, drafts, batch.query_lens - 1)
 
     return jax.jit(spec_step, donate_argnums=(1,))

@@ -141,6 +141,23 @@ def test_seeded_sampling_matches_plain_sampling(tiny_model, draft_model):
     assert spec.stats.acceptance_rate < 1.0  # the greedy drafts do get rejected sometimes
 
 
+def test_overlap_on_and_off_give_identical_results(tiny_model, draft_model):
+    spec = DraftTargetConfig(max_draft_len=3, draft_len_schedule={1: 3, 3: 1},
+                             speculative_model=draft_model)
+    mixed = [SamplingParams(max_tokens=MAX_TOKENS), SamplingParams(max_tokens=9),
+             SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, seed=3),
+             SamplingParams(max_tokens=5, stop_token_ids=(7,)), SamplingParams(max_tokens=17)]
+    results = []
+    for overlap in (True, False):
+        llm = _llm(tiny_model, spec, overlap_scheduler=overlap)
+        assert llm.engine.overlap == overlap
+        outs = llm.generate(PROMPTS, mixed)
+        results.append(([o.token_ids for o in outs], [o.finish_reason for o in outs],
+                        llm.stats.accepted_draft_tokens, llm.stats.drafted_tokens))
+        assert _full_pool(llm)
+    assert results[0] == results[1]
+
+
 class Wrong(specjax.Drafter):
     def __init__(self):
         self.calls = 0
