@@ -1,15 +1,17 @@
-"""`python -m specjax.bench decode ...`"""
+"""`python -m specjax.bench decode|spec ...`: benchmarks that print their figures."""
 import argparse
 
-from specjax.bench import decode
+from specjax.bench import decode, spec
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m specjax.bench", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    decode.add_arguments(sub.add_parser("decode", help=decode.__doc__.splitlines()[0]))
+    modules = {"decode": decode, "spec": spec}
+    for name, module in modules.items():
+        module.add_arguments(sub.add_parser(name, help=module.__doc__.splitlines()[0]))
     args = parser.parse_args(argv)
-    {"decode": decode.run}[args.command](args)
+    modules[args.command].run(args)
     return 0
 
 

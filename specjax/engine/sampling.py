@@ -49,7 +49,12 @@ def sample(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: j
            min_p: jax.Array, keys: jax.Array) -> jax.Array:
     """logits `[B, V]` -> tokens `[B]` int32: argmax where temperature == 0, else a draw from
     the filtered distribution with the row's key."""
-    greedy = jnp.argmax(logits, axis=-1)
-    filtered = filter_logits(logits, temperature, top_k, top_p, min_p)
-    drawn = jax.vmap(jax.random.categorical)(keys, filtered)
-    return jnp.where(temperature > 0, drawn, greedy).astype(jnp.int32)
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    def draw():
+        filtered = filter_logits(logits, temperature, top_k, top_p, min_p)
+        drawn = jax.vmap(jax.random.categorical)(keys, filtered).astype(jnp.int32)
+        return jnp.where(temperature > 0, drawn, greedy)
+
+    # All-greedy batches (the common case) skip the sort and the random draws entirely.
+    return jax.lax.cond(jnp.any(temperature > 0), draw, lambda: greedy)

@@ -1,0 +1,141 @@
+"""Speculative decoding: acceptance and speed per method against plain decoding, in one run.
+
+For each method: acceptance length (AL), acceptance rate, tokens/s, speedup over plain decoding
+measured in the same run, and efficiency = speedup / (AL x t1 / t_{D+1}), where t1 and
+t_{D+1} are the target's measured verify-step times for 1 and D+1 query tokens at batch 1
+(1.0 means the drafter costs nothing and the host adds nothing).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from specjax.engine.batch import StepBatch
+from specjax.llm import LLM
+from specjax.models.registry import CHECKPOINTS_DIR, resolve_model_path
+from specjax.sampling_params import SamplingParams
+from specjax.speculative.config import DraftTargetConfig, NGramConfig, SpeculativeConfig
+from specjax.speculative.step import make_spec_step
+
+# Prompts written for this bench (not in the training corpus), by category.
+PROMPTS = {
+    "code": [
+        "def fibonacci(n):\n",
+        "class Stack:\n    \"\"\"A last-in, first-out stack.\"\"\"\n\n    def __init__(self):\n",
+        "def read_config(path):\n    \"\"\"Read a JSON configuration file and return a dict.\"\"\"\n",
+        "import os\n\n\ndef list_python_files(root):\n",
+        "def is_prime(n):\n    if n < 2:\n        return False\n",
+        "def merge_sorted(a, b):\n    \"\"\"Merge two sorted lists into one sorted list.\"\"\"\n",
+    ],
+    "docstring": [
+        "def parse_args(argv=None):\n    \"\"\"",
+        "class LRUCache:\n    \"\"\"",
+    ],
+}
+BUNDLED_DRAFT = "stdlib-draft"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="bundled")
+    parser.add_argument("--config", action="append", default=[],
+                        help="speculative config as JSON or a JSON file (repeatable); default: "
+                             "NGram and, if shipped, draft-target with the bundled draft model")
+    parser.add_argument("--max-draft-len", type=int, default=4)
+    parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--batch-size", type=int, default=1)
+
+
+def default_configs(D: int) -> list[SpeculativeConfig]:
+    configs: list[SpeculativeConfig] = [NGramConfig(max_draft_len=D, max_matching_ngram_size=3)]
+    if (CHECKPOINTS_DIR / BUNDLED_DRAFT / "config.json").exists():
+        configs.append(DraftTargetConfig(max_draft_len=D,
+                                         speculative_model=str(CHECKPOINTS_DIR / BUNDLED_DRAFT)))
+    return configs
+
+
+def _parse_config(text: str) -> SpeculativeConfig:
+    path = Path(text)
+    return SpeculativeConfig.from_json(path.read_text() if path.exists() else text)
+
+
+def verify_step_time(llm: LLM, width: int, iters: int = 20) -> float:
+    """Seconds per call of the target-only verify step at batch 1 for `width` query tokens."""
+    engine = llm.engine
+    fn = make_spec_step(engine.graphdef, None)
+    params = {"target": engine.params["target"]}
+    kv = {"target": engine.kv["target"], "slots": engine.kv["slots"]}
+    batch = engine._empty_batch(1, width, as_numpy=True)
+    batch["query_lens"][0] = width
+    batch["start_pos"][0] = 64
+    batch["block_tables"][0, :8] = np.arange(1, 9)
+    batch["max_lens"][0] = 10**6
+    batch = StepBatch(**batch)
+    for _ in range(3):
+        kv, out = fn(params, kv, batch)
+    jax.block_until_ready(out)
+    start = time.perf_counter()
+    for _ in range(iters):
+        kv, out = fn(params, kv, batch)
+    jax.block_until_ready(out)
+    engine.kv.update(kv)  # the pools were donated
+    return (time.perf_counter() - start) / iters
+
+
+def _run(llm: LLM, prompts: list[str], params: SamplingParams, batch_size: int):
+    """Generate every prompt (batch_size at a time); returns (outputs, seconds)."""
+    llm.generate(prompts[:1], SamplingParams(max_tokens=8))  # warm every code path
+    outs, start = [], time.perf_counter()
+    for i in range(0, len(prompts), batch_size):
+        outs += llm.generate(prompts[i:i + batch_size], params)
+    return outs, time.perf_counter() - start
+
+
+def run(args: argparse.Namespace) -> None:
+    configs = [_parse_config(c) for c in args.config] or default_configs(args.max_draft_len)
+    path = resolve_model_path(args.model)
+    params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
+    prompts = [p for group in PROMPTS.values() for p in group]
+    common = dict(max_batch_size=max(1, args.batch_size), max_model_len=512, progress=False)
+
+    plain = LLM(str(path), **common)
+    cfg = plain.model.config
+    print(f"target: {path.name} ({cfg.num_params / 1e6:.1f}M params), batch {args.batch_size}, "
+          f"{len(prompts)} prompts x {args.max_tokens} tokens, greedy, jax {jax.__version__} "
+          f"on {jax.devices()[0].platform}")
+    base_outs, base_time = _run(plain, prompts, params, args.batch_size)
+    base_tps = sum(len(o.token_ids) for o in base_outs) / base_time
+    print(f"\n{'method':<34} {'AL':>5} {'accept':>7} {'tok/s':>7} {'speedup':>8} "
+          f"{'t(D+1)/t1':>9} {'effic.':>7} {'exact':>6}  AL by category")
+    print(f"{'plain decoding':<34} {'1.00':>5} {'-':>7} {base_tps:>7.1f} {'1.00x':>8}")
+    for config in configs:
+        D = config.max_draft_len
+        llm = LLM(str(path), speculative_config=config, **common)
+        outs, seconds = _run(llm, prompts, params, args.batch_size)
+        tps = sum(len(o.token_ids) for o in outs) / seconds
+        exact = all(a.token_ids == b.token_ids for a, b in zip(outs, base_outs))
+        al = llm.stats.acceptance_length or 1.0
+        rate = llm.stats.acceptance_rate or 0.0
+        t1, tD = verify_step_time(llm, 1), verify_step_time(llm, D + 1)
+        speedup = tps / base_tps
+        efficiency = speedup / (al * t1 / tD)
+        by_cat, k = [], 0
+        for name, group in PROMPTS.items():
+            o = outs[k:k + len(group)]
+            k += len(group)
+            gen = sum(x.stats.num_generated_tokens for x in o)
+            its = sum(x.stats.decoding_iterations for x in o)
+            by_cat.append(f"{name} {gen / its:.2f}")
+        label = f"{config.mode.name.lower()} D={D}"
+        if isinstance(config, DraftTargetConfig):
+            label += f" ({Path(str(config.speculative_model)).name})"
+        print(f"{label:<34} {al:>5.2f} {rate:>7.1%} {tps:>7.1f} {speedup:>7.2f}x "
+              f"{tD / t1:>9.2f} {efficiency:>7.2f} {str(exact):>6}  {', '.join(by_cat)}")
+    print("\nAL = tokens per target step over steps with drafts; exact = greedy output equals "
+          "plain decoding token for token.")
+    if args.config:
+        print("configs:", json.dumps([c.to_dict() for c in configs]))
