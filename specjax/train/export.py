@@ -14,8 +14,10 @@ from tokenizers import Tokenizer
 from specjax.models import Llama, save_hf_checkpoint
 from specjax.train.evaluate import greedy_continue, perplexity
 
-CARD_PROMPTS = ("def fibonacci(n):\n", "import os\n\n\ndef read_config(path):\n",
-                "class Stack:\n    \"\"\"A simple LIFO stack.\"\"\"\n\n    def __init__(self):\n")
+# No trailing newline: BPE merges a newline with the next line's indentation, so a prompt ending in a
+# bare "\n" ends on a token boundary the model has rarely seen and derails it.
+CARD_PROMPTS = ("def fibonacci(n):", "import os\n\n\ndef read_config(path):",
+                "class Stack:\n    \"\"\"A simple LIFO stack.\"\"\"\n\n    def __init__(self):")
 
 
 def compact_log(entries: list[dict]) -> list[dict]:
@@ -33,8 +35,7 @@ def write_model_card(out: Path, model: Llama, tok: Tokenizer, *, name: str, comm
     samples = []
     for prompt in CARD_PROMPTS:
         cont = greedy_continue(model, tok, prompt, 64, bos_id=cfg.bos_token_id, eos_id=cfg.eos_token_id)
-        samples.append(f"Prompt:\n```python\n{prompt}```\nGreedy continuation (64 tokens max):\n"
-                       f"```python\n{prompt}{cont}\n```\n")
+        samples.append(f"Prompt {prompt!r}, then at most 64 greedy tokens:\n\n```python\n{prompt}{cont}\n```\n")
     tc = train_meta["train_config"]
     lines = [
         f"# {name}: the bundled specjax target model\n",
@@ -55,8 +56,10 @@ def write_model_card(out: Path, model: Llama, tok: Tokenizer, *, name: str, comm
         f"- validation: {n_val} held-out files chosen by a hash of their path ({val_tokens:,} tokens)\n",
         "## Training\n",
         f"- command: `{commands[-1]}`",
-        *(["- the run was interrupted and resumed; its invocations, in order: "
-            + "; ".join(f"`{c}`" for c in commands)] if len(commands) > 1 else []),
+        *(["- the run was resumed from saved steps; its invocations, in order: "
+            + "; ".join(f"`{c}`" for c in commands)
+            + " (a changed `--steps` re-stretches the cosine decay from the resumed step on)"]
+          if len(commands) > 1 else []),
         f"- {tc['steps']} steps of {tc['batch_size']} x {tc['seq_len']} tokens = {tokens_seen:,} tokens seen",
         f"- AdamW (b1 {tc['b1']}, b2 {tc['b2']}, weight decay {tc['weight_decay']}), peak lr {tc['lr']:g}, "
         f"{tc['warmup']} warm-up steps then cosine decay to {tc['lr'] * tc['min_lr_ratio']:g}, "

@@ -94,3 +94,15 @@ def test_jit_through_split_merge_traces_params(model):
     scaled = jax.tree.map(lambda x: x * 1.01, state)
     f(scaled, tokens)  # new parameter values, same shapes: no retrace
     assert len(calls) == 1
+
+
+def test_unstacked_layout_computes_the_same(model):
+    tokens = jnp.asarray([[3, 1, 4, 1, 5, 9, 2, 6]], jnp.int32)
+    flat = model.unstacked()
+    assert model.stacked and not flat.stacked and flat.unstacked() is flat
+    a_logits, a_captured = model.forward(tokens, capture_layers=(1, 3))
+    b_logits, b_captured = flat.forward(tokens, capture_layers=(1, 3))
+    np.testing.assert_allclose(np.asarray(a_logits), np.asarray(b_logits), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(a_captured), np.asarray(b_captured), atol=1e-5)
+    for name, stacked in model.layer_params().items():  # same arrays, other layout
+        np.testing.assert_array_equal(np.asarray(flat.layer_params()[name]), np.asarray(stacked))
