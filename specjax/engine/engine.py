@@ -203,7 +203,7 @@ class Engine:
         self._admit()
         prefill = self._schedule_prefill()
         generation, draft_len = self._schedule_generation()
-        prefill_out = gen_out = None
+        prefill_out = None
         if prefill:
             runs = [(r, r.all_ids[r.num_computed:r.num_computed + n]) for r, n in prefill]
             prefill_out = self._launch(self._step, runs, self.config.prefill_chunk,
@@ -211,7 +211,7 @@ class Engine:
         dispatched = None
         if generation:
             fn = self._spec_step if draft_len > 0 or self.worker is not None else self._step
-            runs = [(r, [r.all_ids[-1]] + r.draft_tokens[:drafted]) for r, _, drafted in generation]
+            runs = [(r, [r.last_token] + r.draft_tokens[:drafted]) for r, _, drafted in generation]
             self._step_id += 1
             dispatched = (self._step_id, generation, draft_len,
                           self._launch(fn, runs, draft_len + 1, self.decode_buckets))

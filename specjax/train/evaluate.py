@@ -12,6 +12,8 @@ import optax
 from flax import nnx
 from tokenizers import Tokenizer
 
+from specjax.models.dense_greedy import dense_greedy
+
 
 def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
     """Mean next-token loss in nats: logits `[B, T, V]`, targets `[B, T]` -> scalar."""
@@ -43,28 +45,11 @@ def perplexity(loss: float) -> float:
     return math.exp(loss)
 
 
-@partial(jax.jit, static_argnums=0)
-def _next_token(graphdef: nnx.GraphDef, state: nnx.State, tokens: jax.Array, last: jax.Array) -> jax.Array:
-    """tokens `[1, L]` (right-padded) -> greedy token after position `last`. Causal attention means the
-    padding after `last` cannot change it, so one compiled length serves the whole generation."""
-    logits = nnx.merge(graphdef, state)(tokens)
-    return jnp.argmax(logits[0, last], axis=-1)
-
-
 def greedy_continue(model: nnx.Module, tok: Tokenizer, prompt: str, max_new_tokens: int = 64,
                     bos_id: int | None = None, eos_id: int | None = None) -> str:
-    """Greedy continuation by re-running the dense forward per token (a reference, not an engine)."""
+    """Greedy continuation with the dense reference forward (EOS ends it and is not shown)."""
     ids = ([bos_id] if bos_id is not None else []) + tok.encode(prompt, add_special_tokens=False).ids
-    length = -(-(len(ids) + max_new_tokens) // 64) * 64  # a few padded lengths, so few compiles
-    buf = np.zeros((1, length), np.int32)
-    buf[0, : len(ids)] = ids
-    graphdef, state = nnx.split(model)
-    n, new = len(ids), []
-    for _ in range(max_new_tokens):
-        nxt = int(_next_token(graphdef, state, jnp.asarray(buf), n - 1))
-        if nxt == eos_id:
-            break
-        buf[0, n] = nxt
-        new.append(nxt)
-        n += 1
+    new = dense_greedy(model, ids, max_new_tokens, () if eos_id is None else (eos_id,))
+    if new and new[-1] == eos_id:
+        new = new[:-1]
     return tok.decode(new, skip_special_tokens=False)

@@ -1,12 +1,9 @@
 """The host loop: exact greedy output, continuous batching, admission, preemption, cancel."""
-import numpy as np
 import pytest
-from flax import nnx
 
 import specjax
 from specjax import SamplingParams
 from specjax.engine.compile_counter import count_compilations
-from specjax.models import Llama
 from specjax.models.dense_greedy import dense_greedy
 
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21], [7],

@@ -1,5 +1,4 @@
 """Greedy output through the paged engine equals transformers' greedy `generate`."""
-import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")

@@ -1,0 +1,48 @@
+"""The command lines a newcomer types: generate and the benchmarks' argument handling."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from specjax import generate
+from specjax.bench.__main__ import main as bench_main
+
+
+def test_generate_bundled_prints_the_continuation(capsys):
+    assert generate.main(["--prompt", "def fibonacci(n):", "--max-tokens", "24"]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith("def fibonacci(n):") and len(out) > len("def fibonacci(n):\n")
+    assert "tokens/s" in err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--max-tokens", "-3"], "max_tokens must be >= 1"),
+    (["--top-p", "0"], "top_p must be in (0, 1]"),
+    (["--model", "/nonexistent/folder"], "neither 'bundled' nor an existing local folder"),
+])
+def test_generate_rejects_bad_arguments_before_loading(capsys, args, message):
+    assert generate.main(args) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_notebook_cells_run():
+    with open(Path(__file__).resolve().parents[1] / "notebooks" / "quickstart.ipynb") as f:
+        cells = [c for c in json.load(f)["cells"] if c["cell_type"] == "code"]
+    scope: dict = {}
+    for cell in cells:
+        exec("".join(cell["source"]), scope)  # noqa: S102 - our own notebook
+    assert scope["spec"].token_ids == scope["out"].token_ids
+
+
+def test_bench_rejects_unknown_subcommand():
+    with pytest.raises(SystemExit):
+        bench_main(["nope"])
+
+
+def test_module_entry_points_have_help():
+    for module in ("specjax.generate", "specjax.bench", "specjax.train"):
+        result = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True,
+                                text=True, timeout=120)
+        assert result.returncode == 0 and "usage" in result.stdout.lower(), module
