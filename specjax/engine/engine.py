@@ -70,6 +70,9 @@ class Engine:
                  config: EngineConfig = EngineConfig(), seed: int | None = None,
                  speculative_config: SpeculativeConfig | None = None,
                  draft_model: Llama | None = None):
+        model = model.unstacked()  # per-layer weights: a decode step reads them in place
+        if draft_model is not None:
+            draft_model = draft_model.unstacked()
         self.config = config
         self.model_config = mc = model.config
         self.tokenizer = tokenizer
@@ -88,9 +91,6 @@ class Engine:
         if (num_blocks - 1) < self.blocks_per_seq:
             raise ValueError(f"num_kv_blocks {num_blocks} cannot hold one request of "
                              f"max_model_len {self.max_len} ({self.blocks_per_seq} blocks + null)")
-        model = model.unstacked()  # per-layer weights: decode reads them in place
-        if draft_model is not None:
-            draft_model = draft_model.unstacked()
         self.graphdef, state = nnx.split(model)
         self.params = {"target": nnx.to_pure_dict(state)}
         self.kv = {"target": make_kv_pool(mc, num_blocks, bs)}
