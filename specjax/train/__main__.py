@@ -5,11 +5,12 @@ from __future__ import annotations
 import argparse
 import sys
 
-from specjax.train import evaluate_cli, target
+from specjax.train import draft, evaluate_cli, target
 
 # Each subcommand module provides add_arguments(parser) and run(args) -> exit code.
 SUBCOMMANDS = {
     "target": (target, "train the bundled target model on the Python standard library"),
+    "draft": (draft, "train a small draft model with a target's tokenizer and corpus"),
     "eval": (evaluate_cli, "validation loss of an exported target checkpoint"),
 }
 

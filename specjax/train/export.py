@@ -27,7 +27,8 @@ def compact_log(entries: list[dict]) -> list[dict]:
 
 def write_model_card(out: Path, model: Llama, tok: Tokenizer, *, name: str, commands: list[str],
                      eval_command: str, val_loss: float, val_tokens: int, tokens_seen: int,
-                     train_meta: dict, manifest: dict, wall_s: float | None) -> str:
+                     train_meta: dict, manifest: dict, wall_s: float | None,
+                     role: str = "the bundled specjax target model") -> str:
     cfg = model.config
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(model))
     files = manifest["files"]
@@ -38,7 +39,7 @@ def write_model_card(out: Path, model: Llama, tok: Tokenizer, *, name: str, comm
         samples.append(f"Prompt {prompt!r}, then at most 64 greedy tokens:\n\n```python\n{prompt}{cont}\n```\n")
     tc = train_meta["train_config"]
     lines = [
-        f"# {name}: the bundled specjax target model\n",
+        f"# {name}: {role}\n",
         "A small Llama-architecture causal LM trained from scratch by `specjax.train` on the Python "
         "standard library source, so that specjax runs out of the box with no download. It writes "
         "plausible-looking Python and is useful for speculative-decoding experiments, not for real work.\n",

@@ -275,8 +275,10 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     export(out, model, entries, meta, args.export_dtype)
     val = data.eval_windows(val_stream, tc.seq_len)
     val_loss = loss_over_windows(model, val)
+    target = getattr(args, "target", None)  # set when `train draft` delegates here
     write_model_card(
         out, model, tok, name=out.name, commands=commands,
+        role=f"a draft model for {target.name}" if target else "the bundled specjax target model",
         eval_command=f"python -m specjax.train eval --model {out} --seq-len {tc.seq_len}",
         val_loss=val_loss, val_tokens=len(val_stream), tokens_seen=tc.steps * tc.tokens_per_step,
         train_meta=meta, manifest=manifest,

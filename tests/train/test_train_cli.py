@@ -45,3 +45,21 @@ def test_train_resume_export_and_eval(fake_stdlib, tmp_path, capsys):
     printed = capsys.readouterr().out
     loss = printed.split("validation loss ")[1].split()[0]
     assert f"validation loss **{loss}**" in card
+
+
+def test_draft_reuses_the_target_tokenizer_and_corpus(fake_stdlib, tmp_path):
+    target, draft = tmp_path / "target", tmp_path / "draft"
+    assert main(["target", "--out", str(target), *TINY_FLAGS]) == 0
+    # TINY_FLAGS[4:] drops the target's --vocab-size and --d-model: the draft picks its own width.
+    assert main(["draft", "--target", str(target), "--out", str(draft), "--d-model", "16",
+                 *TINY_FLAGS[4:]]) == 0
+    for name in ("tokenizer.json", "corpus_manifest.json"):
+        assert (draft / name).read_bytes() == (target / name).read_bytes()
+    assert json.loads((draft / "config.json").read_text())["hidden_size"] == 16
+    assert "a draft model for target" in (draft / "MODEL_CARD.md").read_text()
+
+
+def test_draft_needs_a_target(tmp_path):
+    with pytest.raises(SystemExit, match="tokenizer.json is missing"):
+        main(["draft", "--target", str(tmp_path / "none"), "--out", str(tmp_path / "d"),
+              *TINY_FLAGS])
