@@ -1,0 +1,34 @@
+"""Every speculative mode on the shipped models: greedy output equals plain greedy output."""
+import pytest
+
+import specjax
+from specjax import DraftTargetConfig, NGramConfig, SamplingParams, UserProvidedConfig
+from specjax.models.registry import CHECKPOINTS_DIR
+
+PROMPTS = ["def fibonacci(n):", "import os\n\n\ndef read_config(path):\n", "class Stack:\n"]
+PARAMS = SamplingParams(max_tokens=32)
+SIZES = dict(max_batch_size=2, prefill_chunk=32, max_model_len=128, progress=False)
+
+
+class Repeat(specjax.Drafter):
+    """Guesses that the text repeats itself from two tokens back."""
+
+    def propose(self, token_ids, max_draft_len):
+        return list(token_ids[-2:]) * max_draft_len
+
+
+@pytest.fixture(scope="module")
+def plain():
+    return [o.token_ids for o in specjax.LLM("bundled", **SIZES).generate(PROMPTS, PARAMS)]
+
+
+@pytest.mark.parametrize("config", [
+    NGramConfig(max_draft_len=4, max_matching_ngram_size=3),
+    UserProvidedConfig(max_draft_len=3, drafter=Repeat()),
+    DraftTargetConfig(max_draft_len=4, speculative_model=str(CHECKPOINTS_DIR / "stdlib-draft")),
+], ids=lambda c: c.mode.name)
+def test_bundled_greedy_equivalence(plain, config):
+    llm = specjax.LLM("bundled", speculative_config=config, **SIZES)
+    assert [o.token_ids for o in llm.generate(PROMPTS, PARAMS)] == plain
+    assert llm.stats.acceptance_length is not None and llm.stats.acceptance_length > 1.0
+    assert llm.engine.allocator.num_free_blocks == llm.engine.allocator.total_blocks
