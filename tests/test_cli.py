@@ -46,3 +46,12 @@ def test_module_entry_points_have_help():
         result = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True,
                                 text=True, timeout=120)
         assert result.returncode == 0 and "usage" in result.stdout.lower(), module
+
+
+@pytest.mark.slow
+def test_bench_decode_prints_a_row_per_batch_size(capsys):
+    bench_main(["decode", "--model", "bundled", "--no-hf", "--batch-sizes", "1", "2",
+                "--max-tokens", "8", "--repeats", "1"])
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()]
+    rows = [r for r in rows if r and r[0] in ("1", "2")]
+    assert [r[0] for r in rows] == ["1", "2"] and all(float(r[1]) > 0 for r in rows)

@@ -26,7 +26,7 @@ from specjax.sampling_params import SamplingParams
 from specjax.speculative.config import SpeculativeConfig
 from specjax.speculative.factory import get_spec_drafter, get_spec_worker
 from specjax.speculative.schedule import SpeculationGate, get_draft_len_for_batch_size
-from specjax.speculative.step import SpecOutput, make_spec_step
+from specjax.speculative.step import make_spec_step
 from specjax.tokenizer import Tokenizer
 
 
@@ -100,13 +100,15 @@ class Engine:
         self.kv["slots"] = make_slot_state(config.max_batch_size, self.max_draft_len)
         self.allocator = BlockAllocator(num_blocks, bs)
         self._step = make_step(self.graphdef, self.worker)
-        self._spec_step = make_spec_step(self.graphdef, self.worker) if self.spec else None
+        self._spec_step = make_spec_step(self.graphdef, self.worker)  # every generation step
         spec = speculative_config
         self.gate = (SpeculationGate(spec.acceptance_rate_window_size, spec.acceptance_rate_threshold)
                      if spec and spec.acceptance_rate_window_size > 0 else None)
         self.stats = EngineStats()
-        self.overlap = bool(config.overlap_scheduler and spec and self.worker is not None
-                            and spec.mode.support_overlap_scheduler())
+        # Steps whose runs come from device state (plain decoding, in-step drafters) may be
+        # dispatched before the previous one is read; host drafters need the newest tokens.
+        self.overlap = bool(config.overlap_scheduler and (
+            self.worker is None or spec.mode.support_overlap_scheduler()))
         self._inflight = None       # (step id, rows, draft_len, output) of an unread step
         self._step_id = 0
         self._advanced: dict[int, Request] = {}
@@ -130,23 +132,18 @@ class Engine:
 
     def warmup_shapes(self) -> list[tuple[str, int, int]]:
         """(step kind, batch bucket, run width) for every step serving can dispatch."""
-        shapes = [("plain", b, self.config.prefill_chunk) for b in self.prefill_buckets]
-        if self.worker is None:
-            shapes += [("plain", b, 1) for b in self.decode_buckets]
-        if self.spec is not None:
-            spec = {(self._bucket(n, self.decode_buckets), self.draft_len_for(n))
-                    for n in range(1, self.config.max_batch_size + 1)}
-            if self.worker is not None and self.gate is not None:  # after the gate trips
-                spec |= {(b, 0) for b in self.decode_buckets}
-            shapes += [("spec", b, d + 1) for b, d in sorted(spec)
-                       if d > 0 or self.worker is not None]
-        return shapes
+        shapes = [("prefill", b, self.config.prefill_chunk) for b in self.prefill_buckets]
+        generation = {(self._bucket(n, self.decode_buckets), self.draft_len_for(n))
+                      for n in range(1, self.config.max_batch_size + 1)}
+        if self.gate is not None:  # after the gate trips
+            generation |= {(b, 0) for b in self.decode_buckets}
+        return shapes + [("generation", b, d + 1) for b, d in sorted(generation)]
 
     def warmup(self, progress: bool = True) -> None:
         """Compile every step shape serving can use, so serving itself never compiles."""
         for kind, rows, width in tqdm(self.warmup_shapes(), desc="specjax warm-up",
                                       disable=not progress, leave=False):
-            fn = self._step if kind == "plain" else self._spec_step
+            fn = self._step if kind == "prefill" else self._spec_step
             self.kv, out = fn(self.params, self.kv, self._empty_batch(rows, width))
             jax.block_until_ready(out)
 
@@ -187,7 +184,8 @@ class Engine:
         self._finish(request, "abort")
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running or self._inflight)
+        # An unread step whose rows have all finished is no work: its results are dropped.
+        return bool(self.waiting or self.running)
 
     # -- one iteration -------------------------------------------------------------------
 
@@ -210,18 +208,19 @@ class Engine:
                                        self.prefill_buckets)
         dispatched = None
         if generation:
-            fn = self._spec_step if draft_len > 0 or self.worker is not None else self._step
+            # Runs of device-run steps come from slot state; the host's copy may be stale.
             runs = [(r, [r.last_token] + r.draft_tokens[:drafted]) for r, _, drafted in generation]
             self._step_id += 1
             dispatched = (self._step_id, generation, draft_len,
-                          self._launch(fn, runs, draft_len + 1, self.decode_buckets))
+                          self._launch(self._spec_step, runs, draft_len + 1, self.decode_buckets))
             for request, reserve, _ in generation:
                 request.latest_step, request.latest_reserve = self._step_id, reserve
                 request.latest_advance = draft_len + 1
-        previous, self._inflight = self._inflight, (dispatched if self.overlap else None)
+        overlap = self.overlap and self._runs_on_device(draft_len)
+        previous, self._inflight = self._inflight, (dispatched if overlap else None)
         if previous is not None:  # read step N while step N+1 runs
             self._apply_generation(*previous)
-        if dispatched is not None and not self.overlap:
+        if dispatched is not None and not overlap:
             self._apply_generation(*dispatched)
         if prefill:
             tokens = np.asarray(prefill_out.tokens)
@@ -234,6 +233,10 @@ class Engine:
         self.num_steps += 1
         self.stats.step_time += time.perf_counter() - start
         return [r.output() for r in self._advanced.values()]
+
+    def _runs_on_device(self, draft_len: int) -> bool:
+        """Whether a generation step of this draft length takes its runs from slot state."""
+        return self.worker is not None or draft_len == 0
 
     def _drain(self) -> None:
         """Read the unread step now (before preempting, or when reservations do not fit)."""
@@ -281,6 +284,9 @@ class Engine:
         draft length as the host knows it), and the runtime draft length of the step."""
         candidates = [r for r in self.running if r.prefilled]
         draft_len = self.draft_len_for(len(candidates)) if candidates else 0
+        if not self._runs_on_device(draft_len):
+            self._drain()  # a host drafter needs every token so far
+            candidates = [r for r in candidates if r.status is Status.RUNNING]
         # Verify writes the newest token + D drafts; an in-step drafter D more.
         reserve = 1 + draft_len * (2 if self.worker is not None else 1)
         need = lambda r: max(0, r.num_computed + self._unread_advance(r) + reserve
@@ -321,16 +327,10 @@ class Engine:
     def _apply_generation(self, step_id: int, rows: list[tuple[Request, int, int]],
                           draft_len: int, out) -> None:
         """Apply a generation step's results, in the order that keeps stats and KV right."""
-        spec = isinstance(out, SpecOutput)
-        if spec:
-            new_tokens = np.asarray(out.new_tokens)
-            lens = np.asarray(out.new_tokens_lens)
-            draft_lens = np.asarray(out.draft_lens)
-            next_drafts = np.asarray(out.next_draft_tokens)
-        else:
-            new_tokens = np.asarray(out.tokens)[:, None]
-            lens = np.ones(len(new_tokens), np.int32)
-            draft_lens = np.zeros(len(new_tokens), np.int32)
+        new_tokens = np.asarray(out.new_tokens)
+        lens = np.asarray(out.new_tokens_lens)
+        draft_lens = np.asarray(out.draft_lens)
+        next_drafts = np.asarray(out.next_draft_tokens)
         accepted_sum = drafted_sum = with_drafts = 0
         for i, (request, reserve, _) in enumerate(rows):
             if request.status is not Status.RUNNING:
@@ -347,8 +347,8 @@ class Engine:
             give_back = self.allocator.length(request.request_id) - request.num_computed - newer
             assert newer or give_back == rewind_len + reserve - 1 - verified_len
             self.allocator.rewind(request.request_id, give_back)
-            if spec:  # only now do the next drafts replace the verified ones
-                request.draft_tokens = [int(t) for t in next_drafts[i, :draft_len]]
+            # Only now do the next drafts replace the verified ones.
+            request.draft_tokens = [int(t) for t in next_drafts[i, :draft_len]]
             stats = request.stats
             stats.num_draft_tokens += num_drafts_verified
             stats.num_accepted_draft_tokens += num_accepted

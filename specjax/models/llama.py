@@ -227,15 +227,22 @@ def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax.A
     k_valid `[B, S]` bool (optional) -> `[B, T, H, hd]`. Softmax runs in float32.
     """
     B, T, H, hd = q.shape
-    KV = k.shape[2]
-    qg = q.reshape(B, T, KV, H // KV, hd)
-    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k).astype(jnp.float32) * (hd ** -0.5)
-    distance = q_positions[:, :, None] - k_positions[:, None, :]  # [B, T, S]
-    mask = (distance >= 0) & (distance < window)
+    S, KV = k.shape[1], k.shape[2]
+    G = H // KV
+    # Heads-major operands make both products plain batched matmuls [B, KV] x [T*G, S]: on
+    # XLA:CPU markedly faster than a five-index einsum, and the same on GPU.
+    qh = q.reshape(B, T, KV, G, hd).transpose(0, 2, 1, 3, 4).reshape(B, KV, T * G, hd)
+    kh, vh = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, KV, S, hd]
+    scores = jnp.matmul(qh, kh.swapaxes(-1, -2)).astype(jnp.float32) * (hd ** -0.5)
+    distance = jnp.repeat(q_positions, G, axis=1)[:, :, None] - k_positions[:, None, :]
+    mask = (distance >= 0) & (distance < window)  # [B, T*G, S], t-major like qh
     if k_valid is not None:
         mask = mask & k_valid[:, None, :]
-    scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
-    probs = jax.nn.softmax(scores, axis=-1)
-    probs = jnp.where(mask[:, None, None], probs, 0.0).astype(v.dtype)  # rows with no key -> 0
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
-    return out.reshape(B, T, H, hd)
+    mask = mask[:, None]
+    scores = jnp.where(mask, scores, -jnp.inf)
+    top = jnp.max(scores, axis=-1, keepdims=True)
+    probs = jnp.where(mask, jnp.exp(scores - jnp.where(jnp.isfinite(top), top, 0.0)), 0.0)
+    # Rows with no visible key get zeros, not NaN.
+    probs = probs / jnp.maximum(jnp.sum(probs, axis=-1, keepdims=True), 1e-30)
+    out = jnp.matmul(probs.astype(v.dtype), vh)  # [B, KV, T*G, hd]
+    return out.reshape(B, KV, T, G, hd).transpose(0, 2, 1, 3, 4).reshape(B, T, H, hd)

@@ -3,6 +3,11 @@
 `spec_step(params, kv, batch) -> (kv, SpecOutput)`; each row's run is [newest token, drafts]
 padded to D+1 with query_lens = 1 + real draft length. D comes from the batch's shape, so
 the function compiles once per (batch bucket, runtime draft length).
+
+D = 0 is plain decoding: every generation step of the engine is this function, so plain and
+speculative decoding share one code path. Runs come from device slot state when the host
+cannot know them yet (in-step drafters) or needs nothing from itself (D = 0); then the host
+may dispatch step N+1 before it reads step N (the overlap scheduler).
 """
 from __future__ import annotations
 
@@ -40,7 +45,7 @@ def runs_from_slots(batch: StepBatch, slots, D: int) -> StepBatch:
 def make_spec_step(graphdef: nnx.GraphDef, worker=None):
     def spec_step(params: dict, kv: dict, batch: StepBatch) -> tuple[dict, SpecOutput]:
         D = batch.tokens.shape[1] - 1
-        if worker is not None:  # in-step drafters leave the next run on device
+        if worker is not None or D == 0:  # the next run is already on device
             batch = runs_from_slots(batch, kv["slots"], D)
         model = nnx.merge(graphdef, params["target"])
         kv_target, hidden = paged_forward(model, kv["target"], batch)

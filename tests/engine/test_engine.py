@@ -151,3 +151,26 @@ def test_invalid_requests_rejected_before_work(small_pool_llm, prompt, params, m
     with pytest.raises(ValueError, match=match):
         small_pool_llm.generate([[1, 2], prompt], params)
     assert not engine.has_unfinished()  # the valid prompt was not started either
+
+
+def test_plain_overlap_on_and_off_agree(tiny_model, tiny_llm):
+    """Plain decoding dispatches step N+1 before reading step N; stop conditions, sampling and
+    the KV ledger must come out exactly as with synchronous steps."""
+    mixed = [SamplingParams(max_tokens=12), SamplingParams(max_tokens=3),
+             SamplingParams(max_tokens=12, temperature=0.9, top_k=7, seed=5),
+             SamplingParams(max_tokens=12, stop_token_ids=(PROMPTS[3][0],)),
+             SamplingParams(max_tokens=1), SamplingParams(max_tokens=7)]
+    engine = tiny_llm.engine
+    assert engine.overlap
+    engine.add_request(PROMPTS[0], mixed[0])
+    engine.step()  # prefill
+    engine.step()  # first generation step: dispatched, left unread
+    assert engine._inflight is not None
+    _drain(engine)
+    sync = specjax.LLM(tiny_model, max_batch_size=4, tokens_per_block=4, prefill_chunk=8,
+                       max_prefill_rows=2, num_kv_blocks=80, overlap_scheduler=False,
+                       progress=False)
+    assert not sync.engine.overlap
+    ahead = [o.token_ids for o in tiny_llm.generate(PROMPTS, mixed)]
+    assert ahead == [o.token_ids for o in sync.generate(PROMPTS, mixed)]
+    assert engine.allocator.num_free_blocks == engine.allocator.total_blocks
