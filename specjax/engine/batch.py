@@ -45,10 +45,16 @@ class SlotState:
     run: jax.Array           # [S+1, D_max+1] int32: newest token, then its drafts
     start: jax.Array         # [S+1] int32: position of the newest token
     num_drafts: jax.Array    # [S+1] int32: drafts in `run` (0 after prefill or plain decode)
+    # [S+1, D_max, V] float32: the distributions the drafts were drawn from, kept only when
+    # rejection sampling needs them (None otherwise).
+    draft_probs: jax.Array | None = None
 
 
-def make_slot_state(num_slots: int, max_draft_len: int) -> SlotState:
+def make_slot_state(num_slots: int, max_draft_len: int, vocab_size: int = 0) -> SlotState:
+    """Slot state for `num_slots` slots plus the spare; `vocab_size` > 0 keeps draft probs."""
     import jax.numpy as jnp
+    probs = (jnp.zeros((num_slots + 1, max_draft_len, vocab_size), jnp.float32)
+             if vocab_size else None)
     return SlotState(run=jnp.zeros((num_slots + 1, max_draft_len + 1), jnp.int32),
                      start=jnp.zeros(num_slots + 1, jnp.int32),
-                     num_drafts=jnp.zeros(num_slots + 1, jnp.int32))
+                     num_drafts=jnp.zeros(num_slots + 1, jnp.int32), draft_probs=probs)

@@ -97,7 +97,11 @@ class Engine:
         if self.worker is not None:
             self.params["draft"] = nnx.to_pure_dict(nnx.split(draft_model)[1])
             self.kv["draft"] = make_kv_pool(draft_model.config, num_blocks, bs, mc.dtype)
-        self.kv["slots"] = make_slot_state(config.max_batch_size, self.max_draft_len)
+        # Rejection sampling needs the drafts' distributions from one step to the next; only
+        # in-step drafters have them (host drafters fail closed to strict acceptance).
+        keep_probs = getattr(self.worker, "rejection_sampling", False)
+        self.kv["slots"] = make_slot_state(config.max_batch_size, self.max_draft_len,
+                                           mc.vocab_size if keep_probs else 0)
         self.allocator = BlockAllocator(num_blocks, bs)
         self._step = make_step(self.graphdef, self.worker)
         self._spec_step = make_spec_step(self.graphdef, self.worker)  # every generation step

@@ -227,7 +227,7 @@ def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax.A
     k_valid `[B, S]` bool (optional) -> `[B, T, H, hd]`. Softmax runs in float32.
     """
     B, T, H, hd = q.shape
-    S, KV = k.shape[1], k.shape[2]
+    KV = k.shape[2]
     G = H // KV
     # Heads-major operands make both products plain batched matmuls [B, KV] x [T*G, S]: on
     # XLA:CPU markedly faster than a five-index einsum, and the same on GPU.

@@ -1,16 +1,23 @@
-"""Strict acceptance: pure functions over fixed-shape arrays, used inside the jitted step.
+"""Acceptance: pure functions over fixed-shape arrays, used inside the jitted step.
 
-The target's token at every verified position is drawn with the request's own key for that
+Strict acceptance (every greedy row; sampled rows unless rejection sampling is on): the
+target's token at every verified position is drawn with the request's own key for that
 position (argmax for greedy rows), exactly as plain decoding would draw it. A draft is
 accepted while it equals the target's token, so the emitted sequence is token for token what
 plain decoding emits -- greedy or seeded-sampled.
+
+Rejection sampling (sampled rows, when the drafter supplies its distributions): accept draft i
+with probability min(1, p/q), correct from max(0, p - q); the output follows the target
+distribution and accepts more than strict matching, but not token for token what seeded plain
+sampling draws.
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
-from specjax.engine.sampling import sample, sampling_keys
+from pallas_kernels.rejection_sampling import chain_speculative_sampling
+from specjax.engine.sampling import filter_logits, sample, sampling_keys
 
 
 def target_tokens(logits: jax.Array, start_pos: jax.Array, temperature: jax.Array,
@@ -35,3 +42,60 @@ def strict_accept(drafts: jax.Array, draft_lens: jax.Array,
     match = (drafts == targets[:, :D]) & (jnp.arange(D) < draft_lens[:, None])
     accepted = jnp.sum(jnp.cumprod(match.astype(jnp.int32), axis=1), axis=1)
     return targets, accepted + 1
+
+
+DRAFT_STREAM = 1  # drafts are drawn with the row's key for their position, folded with this
+
+
+def draft_tokens_and_probs(logits: jax.Array, batch, positions: jax.Array,
+                           with_probs: bool) -> tuple[jax.Array, jax.Array | None]:
+    """A drafter's next tokens `[B]` for `positions` `[B]`, and (`with_probs`) the filtered
+    distributions `[B, V]` they were drawn from.
+
+    Without probs every row drafts the argmax (the best guess for strict matching). With them,
+    sampled rows draw from the draft model's distribution filtered by the request's own
+    parameters -- the same function the target side uses -- as rejection sampling requires;
+    greedy rows still take the argmax.
+    """
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    if not with_probs:
+        return greedy, None
+
+    def draw():
+        filtered = filter_logits(logits, batch.temperature, batch.top_k, batch.top_p,
+                                 batch.min_p)
+        keys = jax.vmap(jax.random.fold_in, (0, None))(
+            sampling_keys(batch.seeds, positions), DRAFT_STREAM)
+        drawn = jax.vmap(jax.random.categorical)(keys, filtered).astype(jnp.int32)
+        return (jnp.where(batch.temperature > 0, drawn, greedy),
+                jax.nn.softmax(filtered, axis=-1))
+
+    # An all-greedy batch skips the sort; its (unused) probabilities are zeros.
+    return jax.lax.cond(jnp.any(batch.temperature > 0), draw,
+                        lambda: (greedy, jnp.zeros(logits.shape, jnp.float32)))
+
+
+def rejection_accept(logits: jax.Array, batch, drafts: jax.Array, draft_lens: jax.Array,
+                     draft_probs: jax.Array, strict_tokens: jax.Array,
+                     strict_lens: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Rejection sampling for sampled rows, strict results kept for greedy ones.
+
+    logits `[B, D+1, V]` at the newest token and the D drafts; drafts `[B, D]`; draft_probs
+    `[B, D, V]`; strict_tokens `[B, D+1]`, strict_lens `[B]` from `strict_accept`.
+    Target probabilities come from `filter_logits` with the request's parameters, exactly as
+    the draft side's. Batches without a sampled row never run the kernel.
+    """
+    B, W, V = logits.shape
+    sampled = batch.temperature > 0
+
+    def accept():
+        rep = lambda x: jnp.repeat(x, W)
+        filtered = filter_logits(logits.reshape(B * W, V), rep(batch.temperature),
+                                 rep(batch.top_k), rep(batch.top_p), rep(batch.min_p))
+        target_probs = jax.nn.softmax(filtered, axis=-1).reshape(B, W, V)
+        tokens, emitted = chain_speculative_sampling(
+            draft_probs, drafts, target_probs, batch.seeds, batch.start_pos + 1, draft_lens)
+        return (jnp.where(sampled[:, None], jnp.maximum(tokens, 0), strict_tokens),
+                jnp.where(sampled, emitted, strict_lens))
+
+    return jax.lax.cond(jnp.any(sampled), accept, lambda: (strict_tokens, strict_lens))

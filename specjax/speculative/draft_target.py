@@ -14,6 +14,7 @@ from flax import nnx
 from specjax.engine.batch import StepBatch
 from specjax.engine.kv_cache import KVPool
 from specjax.engine.step import paged_forward
+from specjax.speculative.accept import draft_tokens_and_probs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,6 +23,9 @@ class DraftTargetWorker:
 
     graphdef: nnx.GraphDef
     capture_layers: tuple[int, ...] = ()   # target hidden states the worker reads (none here)
+    # Sampled rows draw their drafts from the filtered draft distribution and return it, so
+    # the step can accept by rejection sampling; otherwise every row drafts the argmax.
+    rejection_sampling: bool = False
 
     def catch_up(self, params: dict, kv: KVPool, batch: StepBatch) -> KVPool:
         """Write the draft model's K/V for the same runs the target just processed."""
@@ -29,14 +33,18 @@ class DraftTargetWorker:
         return kv
 
     def draft(self, params: dict, kv: KVPool, batch: StepBatch, new_tokens: jax.Array,
-              new_lens: jax.Array, num_drafts: int) -> tuple[KVPool, jax.Array]:
+              new_lens: jax.Array, num_drafts: int
+              ) -> tuple[KVPool, jax.Array, jax.Array | None]:
         """After acceptance: catch up over the verified window, then draft `num_drafts` tokens
-        one at a time from each row's newest token. Returns (kv, drafts `[B, num_drafts]`)."""
+        one at a time from each row's newest token.
+
+        Returns (kv, drafts `[B, num_drafts]`, draft probs `[B, num_drafts, V]` or None).
+        """
         model = nnx.merge(self.graphdef, params)
         kv, _ = paged_forward(model, kv, batch)
         B = new_tokens.shape[0]
         if num_drafts == 0:
-            return kv, jnp.zeros((B, 0), jnp.int32)
+            return kv, jnp.zeros((B, 0), jnp.int32), None
         newest = jnp.take_along_axis(new_tokens, (new_lens - 1)[:, None], axis=1)[:, 0]
         live = (batch.query_lens > 0).astype(jnp.int32)
 
@@ -44,9 +52,13 @@ class DraftTargetWorker:
             kv, token, pos = carry
             run = batch.replace(tokens=token[:, None], start_pos=pos, query_lens=live)
             kv, hidden = paged_forward(model, kv, run)
-            nxt = jnp.argmax(model.logits(hidden[:, 0]), axis=-1).astype(jnp.int32)
-            return (kv, nxt, pos + 1), nxt
+            nxt, probs = draft_tokens_and_probs(model.logits(hidden[:, 0]), batch, pos + 1,
+                                                self.rejection_sampling)
+            return (kv, nxt, pos + 1), (nxt, probs)
 
         start = batch.start_pos + new_lens  # the newest token's position
-        (kv, _, _), drafts = jax.lax.scan(one, (kv, newest, start), None, length=num_drafts)
-        return kv, drafts.T
+        (kv, _, _), (drafts, probs) = jax.lax.scan(one, (kv, newest, start), None,
+                                                   length=num_drafts)
+        if probs is not None:
+            probs = probs.transpose(1, 0, 2)
+        return kv, drafts.T, probs

@@ -32,7 +32,8 @@ def get_spec_worker(config: SpeculativeConfig | None, draft_model: Llama | None 
         from specjax.speculative.draft_target import DraftTargetWorker
         if draft_model is None:
             raise ValueError("draft-target needs its draft model")
-        return DraftTargetWorker(nnx.split(draft_model)[0])
+        return DraftTargetWorker(nnx.split(draft_model)[0],
+                                 rejection_sampling=config.use_rejection_sampling)
     raise NotImplementedError(f"speculative mode {config.mode.name} is not implemented yet")
 
 

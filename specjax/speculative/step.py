@@ -19,7 +19,7 @@ from flax import nnx, struct
 
 from specjax.engine.batch import StepBatch
 from specjax.engine.step import paged_forward
-from specjax.speculative.accept import strict_accept, target_tokens
+from specjax.speculative.accept import rejection_accept, strict_accept, target_tokens
 
 
 @struct.dataclass
@@ -49,17 +49,23 @@ def make_spec_step(graphdef: nnx.GraphDef, worker=None):
             batch = runs_from_slots(batch, kv["slots"], D)
         model = nnx.merge(graphdef, params["target"])
         kv_target, hidden = paged_forward(model, kv["target"], batch)
-        targets = target_tokens(model.logits(hidden), batch.start_pos, batch.temperature,
+        logits = model.logits(hidden)
+        targets = target_tokens(logits, batch.start_pos, batch.temperature,
                                 batch.top_k, batch.top_p, batch.min_p, batch.seeds)
         new_tokens, lens = strict_accept(batch.tokens[:, 1:], batch.query_lens - 1, targets)
+        slots = kv["slots"]
+        if slots.draft_probs is not None and D > 0:  # decided by shapes: fail closed to strict
+            new_tokens, lens = rejection_accept(
+                logits, batch, batch.tokens[:, 1:], batch.query_lens - 1,
+                slots.draft_probs[batch.slots, :D], new_tokens, lens)
         kv = {**kv, "target": kv_target}
         B = batch.tokens.shape[0]
+        probs = None
         if worker is None:
             drafts = jnp.zeros((B, 0), jnp.int32)
         else:
-            kv["draft"], drafts = worker.draft(params["draft"], kv["draft"], batch, new_tokens,
-                                               lens, D)
-        slots = kv["slots"]
+            kv["draft"], drafts, probs = worker.draft(params["draft"], kv["draft"], batch,
+                                                      new_tokens, lens, D)
         newest = jnp.take_along_axis(new_tokens, (lens - 1)[:, None], axis=1)
         run = jnp.zeros((B, slots.run.shape[1]), jnp.int32).at[:, :D + 1].set(
             jnp.concatenate([newest, drafts], axis=1))
@@ -67,6 +73,9 @@ def make_spec_step(graphdef: nnx.GraphDef, worker=None):
             run=slots.run.at[batch.slots].set(run),
             start=slots.start.at[batch.slots].set(batch.start_pos + lens),
             num_drafts=slots.num_drafts.at[batch.slots].set(drafts.shape[1]))
+        if probs is not None and slots.draft_probs is not None:
+            kv["slots"] = kv["slots"].replace(
+                draft_probs=slots.draft_probs.at[batch.slots, :D].set(probs))
         return kv, SpecOutput(new_tokens, lens, drafts, batch.query_lens - 1)
 
     return jax.jit(spec_step, donate_argnums=(1,))
