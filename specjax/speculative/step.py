@@ -50,11 +50,15 @@ def make_spec_step(graphdef: nnx.GraphDef, worker=None):
         model = nnx.merge(graphdef, params["target"])
         kv_target, hidden = paged_forward(model, kv["target"], batch)
         logits = model.logits(hidden)
-        targets = target_tokens(logits, batch.start_pos, batch.temperature,
+        slots = kv["slots"]
+        # Decided by shapes: without draft distributions acceptance fails closed to strict.
+        rejection = slots.draft_probs is not None and D > 0
+        # Rejection sampling decides every sampled row, so strict matching need not sample.
+        strict_temperature = jnp.zeros_like(batch.temperature) if rejection else batch.temperature
+        targets = target_tokens(logits, batch.start_pos, strict_temperature,
                                 batch.top_k, batch.top_p, batch.min_p, batch.seeds)
         new_tokens, lens = strict_accept(batch.tokens[:, 1:], batch.query_lens - 1, targets)
-        slots = kv["slots"]
-        if slots.draft_probs is not None and D > 0:  # decided by shapes: fail closed to strict
+        if rejection:
             new_tokens, lens = rejection_accept(
                 logits, batch, batch.tokens[:, 1:], batch.query_lens - 1,
                 slots.draft_probs[batch.slots, :D], new_tokens, lens)
