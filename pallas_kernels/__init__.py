@@ -1,5 +1,11 @@
 """GPU kernels for specjax's hot spots, each beside a plain-jnp reference with the same signature.
 
-Kernels arrive with the Pallas issue; callers go through this package's dispatch layer so the
-Pallas backend (Triton today, Mosaic GPU on Hopper) can change without touching them.
+- `pallas_kernels.rejection_sampling.chain_speculative_sampling`
+- `pallas_kernels.paged_attention.paged_attention`
+- `pallas_kernels.kv_gather.relocate_kv`, `pallas_kernels.kv_gather.gather_kv_pages`
+
+Each public name goes through `pallas_kernels.backend.dispatch`: the compiled Pallas kernel on
+a GPU, the jnp reference on CPU/other backends, the kernel in interpret mode with
+`interpret=True`. The Pallas GPU lowering (Triton today, Mosaic GPU later) is chosen in
+`pallas_kernels.backend` only, so it can change without touching callers. See README.md here.
 """

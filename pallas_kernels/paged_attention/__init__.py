@@ -1,10 +1,27 @@
 """Paged attention for decode, verify and prefill runs over the KV pool.
 
-`paged_attention` is what callers use; it picks the implementation for the current backend.
-Only the jnp reference exists so far, so every backend runs it.
+`paged_attention` is what callers use: the compiled Pallas kernel on a GPU (for shapes it
+supports, see `kernel.compiled_supported`), the jnp reference elsewhere, the kernel in
+interpret mode with `interpret=True` (see `pallas_kernels.backend`).
 """
-from pallas_kernels.paged_attention.reference import paged_attention_reference
+from __future__ import annotations
 
-paged_attention = paged_attention_reference
+import jax
 
-__all__ = ["paged_attention", "paged_attention_reference"]
+from pallas_kernels.backend import dispatch
+from pallas_kernels.paged_attention.kernel import compiled_supported, paged_attention_kernel
+from pallas_kernels.paged_attention.reference import NO_WINDOW, paged_attention_reference
+
+
+def paged_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
+                    layer: jax.Array | int, block_tables: jax.Array, q_positions: jax.Array,
+                    context_lens: jax.Array, window: jax.Array | int = NO_WINDOW, *,
+                    interpret: bool | None = None) -> jax.Array:
+    """See `paged_attention_reference` for the contract."""
+    return dispatch(paged_attention_kernel, paged_attention_reference, q, k_pool, v_pool, layer,
+                    block_tables, q_positions, context_lens, window, interpret=interpret,
+                    supported=compiled_supported(q.shape, k_pool.shape))
+
+
+__all__ = ["NO_WINDOW", "paged_attention", "paged_attention_kernel",
+           "paged_attention_reference"]

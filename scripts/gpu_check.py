@@ -1,0 +1,399 @@
+#!/usr/bin/env python
+"""Run every Pallas kernel compiled on the GPU against its jnp reference, then time both.
+
+    python scripts/gpu_check.py            # checks + full timing table (about 2-3 min on an H200)
+    python scripts/gpu_check.py --quick    # checks + a few timing shapes (under a minute)
+    python scripts/gpu_check.py --interpret --quick   # CPU dry run: checks in interpret mode
+
+Without a GPU (and without --interpret) it prints "no GPU" and exits 0. Exit status 1 and a
+"FAILED" list when any check fails (a wrong result, or a kernel that does not lower/compile).
+
+Checks (small shapes): kernel == reference exactly for the sampling kernel (tokens and counts;
+at V = 32k the correction/bonus token may differ only where u * total lies within float32
+rounding of a CDF boundary, verified against a float64 CDF) and for the KV relocation/gather
+kernels; allclose for paged attention (float32 against a HIGHEST-precision reference, and
+bfloat16). Timings: median wall time of jitted calls, kernel vs reference, at realistic
+shapes (B = 1..64, D = 4..8, V = 32k..128k; attention over 4k-token contexts).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import sys
+import time
+import traceback
+import warnings
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from pallas_kernels import backend  # noqa: E402
+from pallas_kernels.kv_gather import (gather_kv_pages_kernel, gather_kv_pages_reference,  # noqa: E402
+                                      relocate_kv_kernel, relocate_kv_reference)
+from pallas_kernels.paged_attention import (NO_WINDOW, paged_attention_kernel,  # noqa: E402
+                                            paged_attention_reference)
+from pallas_kernels.paged_attention.kernel import compiled_supported  # noqa: E402
+from pallas_kernels.rejection_sampling import (chain_speculative_sampling_kernel,  # noqa: E402
+                                               chain_speculative_sampling_reference,
+                                               counter_uniform)
+from pallas_kernels.rejection_sampling.reference import RESIDUAL_STREAM  # noqa: E402
+
+INTERPRET = False  # set by --interpret
+
+
+class CheckFailed(AssertionError):
+    pass
+
+
+def check(cond: bool, message: str) -> None:
+    if not cond:
+        raise CheckFailed(message)
+
+
+# --- inputs ----------------------------------------------------------------------------------
+
+def softmax_probs(key, shape, scale=3.0, dtype=jnp.float32):
+    return jax.nn.softmax(jax.random.normal(key, shape) * scale, axis=-1).astype(dtype)
+
+
+def sampling_inputs(B, D, V, seed=0, scale=3.0, dtype=jnp.float32, ragged=True):
+    k = jax.random.split(jax.random.key(seed), 6)
+    q = softmax_probs(k[0], (B, D, V), scale, dtype)
+    p = softmax_probs(k[1], (B, D + 1, V), scale, dtype)
+    drafts = jax.random.categorical(k[2], jnp.log(q.astype(jnp.float32) + 1e-30)).astype(jnp.int32)
+    seeds = jax.random.bits(k[3], (B,), jnp.uint32)
+    offsets = jax.random.randint(k[4], (B,), 0, 100_000, jnp.int32)
+    lens = (jax.random.randint(k[5], (B,), 0, D + 1, jnp.int32) if ragged
+            else jnp.full((B,), D, jnp.int32))
+    return q, drafts, p, seeds, offsets, lens
+
+
+def attention_inputs(B, T, H, KV, hd, bs, ctx_lens, M, dtype, seed=0, layers=2):
+    """Pages for each row's context scattered over a pool with a NaN null block; positions of
+    the run are the last T of each context (T = 1: decode, T > 1: verify)."""
+    rng = np.random.default_rng(seed)
+    need = [-(-c // bs) for c in ctx_lens]
+    N = sum(need) + 1
+    pool_shape = (layers, N, bs, KV, hd)
+    k_pool = rng.standard_normal(pool_shape, np.float32)
+    v_pool = rng.standard_normal(pool_shape, np.float32)
+    k_pool[:, 0] = np.nan
+    v_pool[:, 0] = np.nan
+    tables = np.zeros((B, M), np.int32)
+    perm = list(rng.permutation(np.arange(1, N)))
+    for b in range(B):
+        for j in range(need[b]):
+            tables[b, j] = perm.pop()
+    ctx = np.asarray(ctx_lens, np.int32)
+    positions = np.maximum(ctx[:, None] - T + np.arange(T), 0).astype(np.int32)
+    q = rng.standard_normal((B, T, H, hd), np.float32)
+    return (jnp.asarray(q, dtype), jnp.asarray(k_pool, dtype), jnp.asarray(v_pool, dtype),
+            jnp.asarray(tables), jnp.asarray(positions), jnp.asarray(ctx))
+
+
+# --- correctness -----------------------------------------------------------------------------
+
+def _near_boundary(p_row, q_row, use_q, u, tok_a, tok_b, rel_tol=1e-4) -> bool:
+    """Both tokens sit at the inverse-CDF boundary the float64 CDF puts u * total at."""
+    p_row = p_row.astype(np.float64)
+    w = np.maximum(p_row - q_row.astype(np.float64), 0) if use_q else p_row
+    if w.sum() <= 0:
+        w = p_row
+    cdf = np.cumsum(w)
+    target = u * cdf[-1]
+    lo, hi = sorted((int(tok_a), int(tok_b)))
+    # Everything strictly between the two tokens' intervals must be within rel_tol of target.
+    start = cdf[lo - 1] if lo > 0 else 0.0
+    return (w[lo] > 0 and w[hi] > 0 and abs(cdf[lo] - target) <= rel_tol * cdf[-1]
+            and abs(cdf[hi - 1] - target) <= rel_tol * cdf[-1]
+            and start <= target + rel_tol * cdf[-1])
+
+
+def compare_sampling(args, exact: bool, chunk: int | None = None) -> str:
+    kw = {} if chunk is None else {"chunk": chunk}
+    tok_k, em_k = jax.jit(lambda *a: chain_speculative_sampling_kernel(
+        *a, interpret=INTERPRET, **kw))(*args)
+    tok_r, em_r = jax.jit(chain_speculative_sampling_reference)(*args)
+    tok_k, em_k, tok_r, em_r = map(np.asarray, (tok_k, em_k, tok_r, em_r))
+    check(np.array_equal(em_k, em_r), f"num_emitted differs in {np.sum(em_k != em_r)} rows")
+    diff = np.nonzero(np.any(tok_k != tok_r, axis=1))[0]
+    if exact:
+        check(len(diff) == 0, f"tokens differ in rows {diff[:10].tolist()}")
+        return "exact"
+    q, drafts, p, seeds, offsets, lens = map(np.asarray, args)
+    for b in diff:
+        n = em_r[b]
+        check(np.array_equal(tok_k[b, :n - 1], tok_r[b, :n - 1])
+              and np.array_equal(tok_k[b, n:], tok_r[b, n:]),
+              f"row {b}: tokens differ before the last emitted one")
+        u = float(counter_uniform(seeds[b], offsets[b] + n - 1, RESIDUAL_STREAM))
+        use_q = n - 1 < lens[b]
+        q_row = q[b, min(n - 1, q.shape[1] - 1)]
+        check(_near_boundary(p[b, n - 1], q_row, use_q, u, tok_k[b, n - 1], tok_r[b, n - 1]),
+              f"row {b}: last tokens {tok_k[b, n - 1]} vs {tok_r[b, n - 1]} are not a "
+              "float-rounding tie at a CDF boundary")
+    return f"{len(diff)}/{len(tok_k)} rows differ only at a CDF-boundary tie"
+
+
+def check_sampling_small():
+    B, D, V = 64, 4, 40
+    args = list(sampling_inputs(B, D, V, seed=1))
+    # q = 2p in row 0 (zero-mass residual); draft out of vocabulary in row 1.
+    args[0] = args[0].at[0].set(2 * args[2][0, :D])
+    args[1] = args[1].at[1, 0].set(V + 3)
+    return compare_sampling(tuple(args), exact=True, chunk=16)
+
+
+def check_sampling_peaked():
+    return compare_sampling(sampling_inputs(32, 5, 1000, seed=2, scale=8.0), exact=True)
+
+
+def check_sampling_no_drafts():
+    B, V = 8, 500
+    args = (jnp.zeros((B, 0, V)), jnp.zeros((B, 0), jnp.int32),
+            softmax_probs(jax.random.key(3), (B, 1, V)), jnp.arange(B, dtype=jnp.uint32),
+            jnp.arange(B, dtype=jnp.int32))
+    return compare_sampling(args, exact=True)
+
+
+def check_sampling_vocab_32k_bf16():
+    return compare_sampling(sampling_inputs(16, 5, 32_000, seed=4, dtype=jnp.bfloat16),
+                            exact=False)
+
+
+def _attention(args, window, dtype, **kw):
+    q, k, v, tables, positions, ctx = args
+    out = jax.jit(lambda *a: paged_attention_kernel(*a, interpret=INTERPRET, **kw))(
+        q, k, v, 1, tables, positions, ctx, window)
+    # The reference gathers every table entry (the NaN null block included): give it a clean
+    # pool, and float32 products at full precision (XLA's GPU default may use TF32).
+    k_clean, v_clean = k.at[:, 0].set(0), v.at[:, 0].set(0)
+    with jax.default_matmul_precision("highest"):
+        ref = jax.jit(paged_attention_reference)(q, k_clean, v_clean, 1, tables, positions,
+                                                  ctx, window)
+    out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
+    check(np.all(np.isfinite(out)), "non-finite output (read the null block or a NaN page?)")
+    tol = 2e-5 if dtype == jnp.float32 else 3e-2
+    err = float(np.max(np.abs(out - ref)))
+    check(err <= tol * max(1.0, float(np.max(np.abs(ref)))), f"max |kernel - ref| = {err:.3g}")
+    zero_rows = np.asarray(ctx) == 0
+    check(np.all(out[zero_rows] == 0), "context_len 0 rows are not zero")
+    return f"max err {err:.2e}"
+
+
+def check_attention(dtype, window):
+    ctx = [37, 100, 0, 16, 65, 1]
+    hd = 64 if not INTERPRET else 16
+    args = attention_inputs(len(ctx), 7, 8, 2, hd, 16, ctx, M=9, dtype=dtype)
+    if not INTERPRET:
+        check(compiled_supported(args[0].shape, args[1].shape), "shapes unexpectedly unsupported")
+    res = [_attention(args, window, dtype),
+           _attention(args, window, dtype, pages_per_step=1, num_splits=3, rows_per_block=16)]
+    return "; ".join(res)
+
+
+def check_relocate():
+    L, N, bs, KV, hd = 3, 9, 16, 2, 64
+    rng = np.random.default_rng(5)
+    k = rng.standard_normal((L, N, bs, KV, hd), np.float32)
+    v = rng.standard_normal((L, N, bs, KV, hd), np.float32)
+    # Row 0: a chain inside block 1; row 1: a cycle in block 2; row 2: nothing (garbage).
+    sb = np.array([[1, 1, 3, 0], [2, 2, 2, 0], [-4, 99, 1, 1]], np.int32)
+    so = np.array([[5, 6, 0, 0], [0, 1, 2, 0], [0, 77, 0, 0]], np.int32)
+    db = np.array([[1, 1, 1, 0], [2, 2, 2, 0], [99, -1, 1, 1]], np.int32)
+    do = np.array([[4, 5, 6, 0], [1, 2, 0, 0], [0, 0, 0, 0]], np.int32)
+    n = np.array([3, 3, 0], np.int32)
+    f = jax.jit(lambda *a: relocate_kv_kernel(*a, interpret=INTERPRET), donate_argnums=(0, 1))
+    out = f(jnp.asarray(k), jnp.asarray(v), sb, so, db, do, n)
+    ref = relocate_kv_reference(jnp.asarray(k), jnp.asarray(v), sb, so, db, do, n)
+    for o, r in zip(out, ref):
+        check(np.array_equal(np.asarray(o), np.asarray(r)), "relocated pools differ")
+    check(np.array_equal(np.asarray(out[0])[:, 1, 4], k[:, 1, 5]), "chain move missing")
+    return "exact (donated, in place)"
+
+
+def check_gather():
+    rng = np.random.default_rng(6)
+    pool = jnp.asarray(rng.standard_normal((2, 9, 16, 3, 40), np.float32), jnp.bfloat16)
+    tables = jnp.asarray([[1, 4, 0], [8, 2, 3]], jnp.int32)
+    out = jax.jit(lambda *a: gather_kv_pages_kernel(*a, interpret=INTERPRET))(pool, 1, tables)
+    check(np.array_equal(np.asarray(out, np.float32),
+                         np.asarray(gather_kv_pages_reference(pool, 1, tables), np.float32)),
+          "gathered pages differ")
+    return "exact"
+
+
+CHECKS = [
+    ("sampling V=40 ragged, chunked", check_sampling_small),
+    ("sampling V=1000 peaked", check_sampling_peaked),
+    ("sampling D=0", check_sampling_no_drafts),
+    ("sampling V=32k bf16", check_sampling_vocab_32k_bf16),
+    ("attention f32 no window", lambda: check_attention(jnp.float32, NO_WINDOW)),
+    ("attention f32 window 20", lambda: check_attention(jnp.float32, 20)),
+    ("attention bf16 window 50", lambda: check_attention(jnp.bfloat16, 50)),
+    ("relocate_kv", check_relocate),
+    ("gather_kv_pages", check_gather),
+]
+
+
+# --- timing ----------------------------------------------------------------------------------
+
+def median_us(fn, args, iters, feed_back=False):
+    """(compile+first call s, median µs per call). feed_back: outputs replace the first
+    len(outputs) args (donated pools)."""
+    t0 = time.perf_counter()
+    out = jax.block_until_ready(fn(*args))
+    first = time.perf_counter() - t0
+    times = []
+    for _ in range(iters):
+        if feed_back:
+            args = tuple(out) + tuple(args[len(out):])
+        t0 = time.perf_counter()
+        out = jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return first, statistics.median(times) * 1e6
+
+
+def timing_cases(quick: bool):
+    cases = []
+    Bs, Ds = ((1, 64), (4,)) if quick else ((1, 8, 64), (4, 8))
+    Vs = (32_000, 128_256)
+    for V in Vs:
+        for D in Ds:
+            for B in Bs:
+                cases.append(("sampling", f"B={B} D={D} V={V}", dict(B=B, D=D, V=V)))
+    att = (((1, 8), (32, 8)) if quick
+           else ((1, 1), (1, 8), (8, 1), (8, 8), (32, 1), (32, 8), (4, 256)))
+    for B, T in att:
+        cases.append(("attention", f"B={B} T={T} ctx=4096 H=32 KV=8 hd=128 bf16",
+                      dict(B=B, T=T)))
+    cases.append(("relocate_kv", "L=32 B=64 R=8 KV=8 hd=128 bf16", dict(B=64, R=8)))
+    cases.append(("gather_kv_pages", "B=32 ctx=4096 KV=8 hd=128 bf16", dict(B=32, ctx=4096)))
+    return cases
+
+
+def time_case(kind, params, iters):
+    if kind == "sampling":
+        args = sampling_inputs(params["B"], params["D"], params["V"], ragged=False)
+        kern = jax.jit(lambda *a: chain_speculative_sampling_kernel(*a, interpret=INTERPRET))
+        ref = jax.jit(chain_speculative_sampling_reference)
+        return median_us(kern, args, iters), median_us(ref, args, iters)
+    if kind == "attention":
+        B, T = params["B"], params["T"]
+        args = attention_inputs(B, T, 32, 8, 128, 16, [4096] * B, M=256, dtype=jnp.bfloat16,
+                                layers=1)
+        args = (args[0], args[1].at[:, 0].set(0), args[2].at[:, 0].set(0)) + args[3:]
+        q, k, v, tables, pos, ctx = args
+        kern = jax.jit(lambda *a: paged_attention_kernel(*a, interpret=INTERPRET))
+        ref = jax.jit(paged_attention_reference)
+        a = (q, k, v, 0, tables, pos, ctx, NO_WINDOW)
+        return median_us(kern, a, iters), median_us(ref, a, iters)
+    if kind == "relocate_kv":
+        B, R, L, N = params["B"], params["R"], 32, 1024
+        shape = (L, N, 16, 8, 128)
+        rng = np.random.default_rng(7)
+        idx = [jnp.asarray(rng.integers(1, hi, (B, R)), jnp.int32) for hi in (N, 16, N, 16)]
+        n = jnp.full((B,), R, jnp.int32)
+        res = []
+        for fn in (lambda *a: relocate_kv_kernel(*a, interpret=INTERPRET), relocate_kv_reference):
+            pools = (jnp.zeros(shape, jnp.bfloat16), jnp.ones(shape, jnp.bfloat16))
+            res.append(median_us(jax.jit(fn, donate_argnums=(0, 1)), pools + tuple(idx) + (n,),
+                                 iters, feed_back=True))
+            del pools
+        return tuple(res)
+    if kind == "gather_kv_pages":
+        B, M = params["B"], params["ctx"] // 16
+        pool = jnp.ones((4, B * M + 1, 16, 8, 128), jnp.bfloat16)
+        tables = jnp.asarray(np.random.default_rng(8).permutation(B * M).reshape(B, M) + 1,
+                             jnp.int32)
+        kern = jax.jit(lambda *a: gather_kv_pages_kernel(*a, interpret=INTERPRET))
+        ref = jax.jit(gather_kv_pages_reference)
+        return (median_us(kern, (pool, 2, tables), iters),
+                median_us(ref, (pool, 2, tables), iters))
+    raise ValueError(kind)
+
+
+# --- main ------------------------------------------------------------------------------------
+
+def main(argv=None) -> int:
+    global INTERPRET
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="a few timing shapes only")
+    parser.add_argument("--iters", type=int, default=None, help="timed calls per shape")
+    parser.add_argument("--no-timing", action="store_true", help="correctness checks only")
+    parser.add_argument("--interpret", action="store_true",
+                        help="run the kernels in interpret mode (a CPU dry run of this script)")
+    opts = parser.parse_args(argv)
+    INTERPRET = opts.interpret
+    on_gpu = jax.default_backend() == "gpu"
+    if not on_gpu and not opts.interpret:
+        print(f"no GPU (jax.default_backend() == {jax.default_backend()!r}): nothing checked")
+        return 0
+    iters = opts.iters or (5 if opts.interpret else 10 if opts.quick else 20)
+    import jaxlib
+    dev = jax.devices()[0]
+    print(f"jax {jax.__version__}, jaxlib {jaxlib.__version__}, python {platform.python_version()}"
+          f", device {dev.device_kind} ({jax.default_backend()}), lowering "
+          f"{'interpret' if opts.interpret else backend.GPU_LOWERING}, "
+          f"SPECJAX_PALLAS={os.environ.get('SPECJAX_PALLAS', '')!r}")
+    if on_gpu:
+        print(f"dispatch on this machine: {backend.choose(None)} (kernel = compiled Pallas)")
+    failures = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        t_start = time.perf_counter()
+        print("\n== correctness (kernel vs reference, small shapes) ==")
+        for name, fn in CHECKS:
+            if opts.interpret and "32k" in name and opts.quick:
+                print(f"  SKIP {name} (interpret --quick)")
+                continue
+            t0 = time.perf_counter()
+            try:
+                detail = fn()
+                print(f"  ok   {name}: {detail} ({time.perf_counter() - t0:.1f} s)", flush=True)
+            except Exception as e:  # noqa: BLE001 - report every failure, then exit 1
+                failures.append(name)
+                print(f"  FAIL {name}: {type(e).__name__}: {e}", flush=True)
+                if not isinstance(e, CheckFailed):
+                    traceback.print_exc(limit=-3)
+        if not opts.no_timing and not (opts.interpret and not opts.quick):
+            print("\n== timing (median of jitted calls; first call includes compile) ==")
+            header = (f"  {'kernel':<16} {'shape':<44} {'pallas us':>10} {'ref us':>10} "
+                      f"{'speedup':>8} {'compile s (k/r)':>16}")
+            print(header)
+            for kind, label, params in timing_cases(opts.quick):
+                if opts.interpret and kind != "sampling":
+                    continue  # interpret-mode dry run: a single cheap family
+                if opts.interpret:
+                    params = {**params, "V": 257, "B": min(params["B"], 4)}
+                    label = "B={B} D={D} V={V} (interpret)".format(**params)
+                try:
+                    (kc, kt), (rc, rt) = time_case(kind, params, iters)
+                    print(f"  {kind:<16} {label:<44} {kt:>10.1f} {rt:>10.1f} {rt / kt:>7.2f}x "
+                          f"{kc:>7.1f}/{rc:<7.1f}", flush=True)
+                except Exception as e:  # noqa: BLE001
+                    failures.append(f"timing {kind} {label}")
+                    print(f"  {kind:<16} {label:<44} FAILED: {type(e).__name__}: {e}",
+                          flush=True)
+                if opts.interpret:
+                    break
+        print(f"\ntotal {time.perf_counter() - t_start:.0f} s")
+    notes = sorted({f"{w.category.__name__}: {w.message}" for w in caught
+                    if "pallas" in str(w.message).lower() or "triton" in str(w.message).lower()})
+    for note in notes:
+        print(f"warning seen: {note}")
+    if failures:
+        print(f"\nFAILED ({len(failures)}): " + "; ".join(failures))
+        return 1
+    print("\nall kernel checks passed")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
