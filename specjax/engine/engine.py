@@ -28,6 +28,7 @@ from specjax.speculative.factory import get_spec_drafter, get_spec_worker
 from specjax.speculative.schedule import SpeculationGate, get_draft_len_for_batch_size
 from specjax.speculative.step import make_spec_step
 from specjax.tokenizer import Tokenizer
+from specjax.validation import check_request
 
 
 def power_of_two_buckets(limit: int) -> tuple[int, ...]:
@@ -154,18 +155,12 @@ class Engine:
     # -- requests ------------------------------------------------------------------------
 
     def validate(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
-        """Raise ValueError naming the argument if this request cannot be served."""
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
-        if len(prompt_ids) == 0:
-            raise ValueError("prompt is empty")
-        vocab = self.model_config.vocab_size
-        for t in prompt_ids:
-            if isinstance(t, bool) or not isinstance(t, (int, np.integer)) or not 0 <= t < vocab:
-                raise ValueError(f"prompt token id {t!r} is outside the vocabulary [0, {vocab})")
-        if len(prompt_ids) >= self.max_len:
-            raise ValueError(f"prompt has {len(prompt_ids)} tokens; the context holds "
-                             f"{self.max_len} (max_model_len), leaving no room to generate")
+        """Raise ValueError naming the argument if this request cannot be served.
+
+        The checks live in `specjax.validation`, shared with `SamplingParams` and the server.
+        """
+        check_request(prompt_ids, params, SamplingParams, self.model_config.vocab_size,
+                      self.max_len)
 
     def add_request(self, prompt_ids: Sequence[int], params: SamplingParams) -> int:
         self.validate(prompt_ids, params)

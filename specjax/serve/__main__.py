@@ -1,0 +1,98 @@
+"""`python -m specjax.serve`: serve a model over an OpenAI-compatible HTTP API.
+
+Endpoints: POST /v1/completions, POST /v1/chat/completions (streaming with SSE or not),
+GET /v1/models, GET /health, GET /metrics (Prometheus).
+"""
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import logging
+import os
+import sys
+
+from specjax.serve.defaults import parse_speculative_config, served_model_name
+
+log = logging.getLogger("specjax.serve")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m specjax.serve", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="bundled",
+                        help="'bundled' or a local Hugging Face / specjax checkpoint folder")
+    parser.add_argument("--served-model-name", default=None,
+                        help="the name clients send as 'model' (default: the folder's name; "
+                             "the --model value is accepted too)")
+    parser.add_argument("--speculative-config", default=None,
+                        help="'none', JSON (SpeculativeConfig.to_json()) or a file holding it; "
+                             "default: draft-target with checkpoints/stdlib-draft for the "
+                             "bundled model, none otherwise")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address to bind (default loopback only)")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--api-key", default=None,
+                        help="require 'Authorization: Bearer KEY' (default: $SPECJAX_API_KEY)")
+    parser.add_argument("--max-batch-size", type=int, default=8)
+    parser.add_argument("--kv-blocks", type=int, default=None,
+                        help="KV-cache blocks in the pool (default: room for max-batch-size "
+                             "full-length requests)")
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--max-queue", type=int, default=256,
+                        help="requests that may wait for a slot before new ones get 429")
+    parser.add_argument("--max-tokens-cap", type=int, default=None,
+                        help="largest max_tokens a request may ask for (default: the context)")
+    parser.add_argument("--max-body-bytes", type=int, default=1 << 20)
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--log-level", default="info",
+                        choices=("critical", "error", "warning", "info", "debug"))
+    return parser
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    api_key = args.api_key or os.environ.get("SPECJAX_API_KEY") or None
+    # Imported here so --help answers without loading JAX.
+    import uvicorn
+
+    from specjax.llm import LLM
+    from specjax.serve.app import ServerSettings, create_app
+    try:  # every argument is checked before the model loads
+        spec = parse_speculative_config(args.speculative_config, args.model)
+        names = tuple(dict.fromkeys([args.served_model_name or served_model_name(args.model),
+                                     str(args.model)]))
+        settings = ServerSettings(model_names=names, api_key=api_key, max_queue=args.max_queue,
+                                  max_tokens_cap=args.max_tokens_cap,
+                                  max_body_bytes=args.max_body_bytes)
+        if not 0 <= args.port < 65536:
+            raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+        if args.max_queue < 0:
+            raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
+        llm = LLM(args.model, dtype=args.dtype, max_batch_size=args.max_batch_size,
+                  max_model_len=args.max_model_len, num_kv_blocks=args.kv_blocks,
+                  seed=args.seed, speculative_config=spec)
+        app = create_app(llm, settings)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if not _is_loopback(args.host) and api_key is None:
+        log.warning("binding %s without --api-key: anyone who can reach it can use it", args.host)
+    log.info("serving %r (speculation: %s) on http://%s:%d", names[0],
+             spec.mode.name if spec else "off", args.host, args.port)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,344 @@
+"""The HTTP API against a live server: the official `openai` client for what works, httpx
+for what must be refused (before any stream opens), auth, limits, metrics and failures."""
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from specjax.serve.protocol import COMPLETIONS_DEFAULT_MAX_TOKENS
+
+from live_server import API_KEY, MODEL_NAME, REFERENCE_MAX_TOKENS, REFERENCE_PROMPTS
+
+openai = pytest.importorskip("openai")
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(api_key=API_KEY, base_url=f"{server.url}/v1", max_retries=0,
+                         timeout=60)
+
+
+# -- what works, through the official client ------------------------------------------------
+
+@pytest.mark.parametrize("prompt", REFERENCE_PROMPTS)
+def test_completion_greedy_equals_llm_generate(server, client, prompt):
+    ref = server.reference[prompt]
+    out = client.completions.create(model=MODEL_NAME, prompt=prompt, temperature=0,
+                                    max_tokens=REFERENCE_MAX_TOKENS)
+    assert out.choices[0].text == ref.text
+    assert out.choices[0].finish_reason == "length"
+    assert out.usage.prompt_tokens == len(ref.prompt_token_ids)
+    assert out.usage.completion_tokens == len(ref.token_ids) == REFERENCE_MAX_TOKENS
+    assert out.usage.total_tokens == out.usage.prompt_tokens + out.usage.completion_tokens
+
+
+def test_completion_stream_adds_up_to_the_same_text(server, client):
+    prompt = REFERENCE_PROMPTS[0]
+    ref = server.reference[prompt]
+    chunks = list(client.completions.create(
+        model=MODEL_NAME, prompt=prompt, temperature=0, max_tokens=REFERENCE_MAX_TOKENS,
+        stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == ref.text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    # usage only in the last chunk, which has no choices
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == REFERENCE_MAX_TOKENS
+    assert chunks[-1].usage.prompt_tokens == len(ref.prompt_token_ids)
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_stream_without_include_usage_has_no_usage(server, client):
+    chunks = list(client.completions.create(model=MODEL_NAME, prompt="x = ", max_tokens=4,
+                                            temperature=0, stream=True))
+    assert all(c.usage is None for c in chunks) and chunks[-1].choices[0].finish_reason
+
+
+def test_token_id_prompt_and_default_max_tokens(server, client):
+    ref = server.reference[REFERENCE_PROMPTS[1]]
+    out = client.completions.create(model=MODEL_NAME, prompt=ref.prompt_token_ids,
+                                    temperature=0)
+    assert out.usage.completion_tokens == COMPLETIONS_DEFAULT_MAX_TOKENS  # OpenAI's 16
+    assert ref.text.startswith(out.choices[0].text)
+
+
+def test_stop_string_cuts_streamed_and_whole_text_alike(server, client):
+    ref = server.reference[REFERENCE_PROMPTS[2]].text
+    stop = ref[8:11]
+    assert stop and ref.find(stop) >= 1
+    expected = ref[:ref.find(stop)]
+    whole = client.completions.create(model=MODEL_NAME, prompt=REFERENCE_PROMPTS[2],
+                                      temperature=0, max_tokens=REFERENCE_MAX_TOKENS, stop=stop)
+    assert whole.choices[0].text == expected and whole.choices[0].finish_reason == "stop"
+    streamed = client.completions.create(model=MODEL_NAME, prompt=REFERENCE_PROMPTS[2],
+                                         temperature=0, max_tokens=REFERENCE_MAX_TOKENS,
+                                         stop=[stop], stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == expected
+
+
+def test_seeded_sampling_repeats(server, client):
+    kwargs = dict(model=MODEL_NAME, prompt="def f(x):", max_tokens=10, temperature=0.9,
+                  top_p=0.95, seed=123)
+    a = client.completions.create(**kwargs).choices[0].text
+    b = client.completions.create(**kwargs).choices[0].text
+    assert a == b
+    other = client.completions.create(**{**kwargs, "seed": 124}).choices[0].text
+    assert other != a  # 10 random tokens from 4096: equal only if seeds are ignored
+    # top_k and min_p arrive through extra_body (extensions) and change the draw.
+    ranked = client.completions.create(**kwargs, extra_body={"top_k": 1}).choices[0].text
+    greedy = client.completions.create(**{**kwargs, "temperature": 0}).choices[0].text
+    assert ranked == greedy
+
+
+def test_chat_default_template_greedy_and_stream(server, client):
+    messages = [{"role": "system", "content": "You write Python."},
+                {"role": "user", "content": [{"type": "text", "text": "Say "},
+                                             {"type": "text", "text": "hi"}]}]
+    rendered = "system: You write Python.\nuser: Say hi\nassistant: "
+    prompt_ids = server.tokenizer.encode(rendered, add_bos=True)
+    out = client.chat.completions.create(model=MODEL_NAME, messages=messages, temperature=0,
+                                         max_completion_tokens=12)
+    assert out.usage.prompt_tokens == len(prompt_ids)
+    assert out.usage.completion_tokens == 12
+    assert out.choices[0].message.role == "assistant"
+    assert out.choices[0].finish_reason == "length"
+    chunks = list(client.chat.completions.create(
+        model=MODEL_NAME, messages=messages, temperature=0, max_tokens=12, stream=True,
+        stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == \
+        out.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == 12
+    assert chunks[-1].usage.prompt_tokens == len(prompt_ids)
+    # The same prompt as a completion gives the same text: the template is what we say it is.
+    same = client.completions.create(model=MODEL_NAME, prompt=prompt_ids, temperature=0,
+                                     max_tokens=12)
+    assert same.choices[0].text == out.choices[0].message.content
+
+
+def test_models_health_and_model_alias(server, client):
+    assert [m.id for m in client.models.list().data] == [MODEL_NAME]
+    assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
+    out = client.completions.create(model="tiny-alias", prompt="a", max_tokens=2)
+    assert out.usage.completion_tokens == 2
+
+
+# -- what is refused, before any stream opens -------------------------------------------------
+
+LONG = list(range(1, 201))   # 200 tokens: the context holds 128
+BAD_COMPLETIONS = [
+    ({"max_tokens": "5"}, "max_tokens"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_tokens": -3}, "max_tokens"),
+    ({"max_tokens": 5.5}, "max_tokens"),
+    ({"max_tokens": 10**6}, "max_tokens"),        # over the server's cap (100)
+    ({"temperature": -0.5}, "temperature"),
+    ({"temperature": 2.5}, "temperature"),
+    ({"temperature": "hot"}, "temperature"),
+    ({"top_p": 0}, "top_p"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"top_k": -2}, "top_k"),
+    ({"top_k": 1.5}, "top_k"),
+    ({"min_p": 1.5}, "min_p"),
+    ({"seed": -1}, "seed"),
+    ({"seed": 2**40}, "seed"),
+    ({"seed": True}, "seed"),
+    ({"n": 2}, "n"),
+    ({"best_of": 3}, "best_of"),
+    ({"logprobs": 5}, "logprobs"),
+    ({"echo": True}, "echo"),
+    ({"presence_penalty": 0.5}, "presence_penalty"),
+    ({"frequency_penalty": -1}, "frequency_penalty"),
+    ({"logit_bias": {"17": 5}}, "logit_bias"),
+    ({"suffix": "end"}, "suffix"),
+    ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ({"stop": [""]}, "stop"),
+    ({"stop": 5}, "stop"),
+    ({"stop_token_ids": [99999]}, "stop_token_ids"),
+    ({"model": "gpt-4"}, "model"),
+    ({"model": None}, "model"),
+    ({"prompt": LONG}, "prompt"),                 # longer than the context
+    ({"prompt": [5000]}, "prompt"),               # outside the vocabulary
+    ({"prompt": []}, "prompt"),
+    ({"prompt": ["a", "b"]}, "prompt"),           # batched prompts
+    ({"prompt": {"text": "a"}}, "prompt"),
+    ({"frobnicate": 1}, "frobnicate"),            # unknown argument
+    ({"stream": "yes"}, "stream"),
+    ({"stream_options": {"include_usage": "yes"}}, "stream_options.include_usage"),
+]
+BAD_CHATS = [
+    ({"messages": []}, "messages"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
+    ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+    ({"messages": [{"role": "user", "content": "x", "extra": 1}]}, "messages[0].extra"),
+    ({"messages": [{"role": "user", "content": "x " * 300}]}, "messages"),   # too long
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"logprobs": True}, "logprobs"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"max_completion_tokens": 0}, "max_completion_tokens"),
+    ({"max_tokens": 101}, "max_tokens"),
+]
+
+
+def _assert_refused(response: httpx.Response, param: str | None, status: int = 400) -> dict:
+    assert response.status_code == status, response.text
+    assert not response.headers.get("content-type", "").startswith("text/event-stream")
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error"
+    assert error["param"] == param
+    if param is not None:
+        assert param.split("[")[0].split(".")[0] in error["message"]
+    assert "Traceback" not in response.text
+    return error
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "whole"])
+@pytest.mark.parametrize("change, param", BAD_COMPLETIONS, ids=[p for _, p in BAD_COMPLETIONS])
+def test_bad_completion_refused(server, change, param, stream):
+    body = {"model": MODEL_NAME, "prompt": "def f(x):", "max_tokens": 4, "stream": stream,
+            **change}
+    if body["model"] is None:
+        del body["model"]
+    if "stream_options" in change and isinstance(body["stream"], bool):
+        body["stream"] = True
+    _assert_refused(httpx.post(f"{server.url}/v1/completions", json=body,
+                               headers=server.headers), param)
+
+
+@pytest.mark.parametrize("change, param", BAD_CHATS, ids=[p for _, p in BAD_CHATS])
+def test_bad_chat_refused(server, change, param):
+    body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 4, "stream": True, **change}
+    _assert_refused(httpx.post(f"{server.url}/v1/chat/completions", json=body,
+                               headers=server.headers), param)
+
+
+def test_stream_options_without_stream_refused(server):
+    body = {"model": MODEL_NAME, "prompt": "a", "stream_options": {"include_usage": True}}
+    _assert_refused(httpx.post(f"{server.url}/v1/completions", json=body,
+                               headers=server.headers), "stream_options")
+
+
+@pytest.mark.parametrize("content, message", [
+    (b"{not json", "not valid JSON"),
+    (b"[1, 2]", "JSON object"),
+    (b"", "JSON object"),          # no body at all
+])
+def test_malformed_body_refused(server, content, message):
+    response = httpx.post(f"{server.url}/v1/completions", content=content,
+                          headers={**server.headers, "Content-Type": "application/json"})
+    assert message in _assert_refused(response, None)["message"]
+
+
+def test_oversized_body_is_413(server):
+    body = {"model": MODEL_NAME, "prompt": "x" * (100 * 1024), "stream": True}
+    response = httpx.post(f"{server.url}/v1/completions", json=body, headers=server.headers)
+    _assert_refused(response, None, status=413)
+
+
+def test_server_keeps_serving_after_refusals(server, client):
+    before = server.metrics()
+    for change, _ in BAD_COMPLETIONS[:5]:
+        httpx.post(f"{server.url}/v1/completions", headers=server.headers,
+                   json={"model": MODEL_NAME, "prompt": "a", **change})
+    after = server.metrics()
+    assert after['specjax_requests_rejected_total{status="400"}'] == \
+        before.get('specjax_requests_rejected_total{status="400"}', 0) + 5
+    out = client.completions.create(model=MODEL_NAME, prompt=REFERENCE_PROMPTS[0],
+                                    temperature=0, max_tokens=REFERENCE_MAX_TOKENS)
+    assert out.choices[0].text == server.reference[REFERENCE_PROMPTS[0]].text
+
+
+# -- auth ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"},
+                                     {"Authorization": API_KEY},
+                                     {"Authorization": f"Basic {API_KEY}"},
+                                     {"Authorization": f"Bearer {API_KEY}x"}],
+                         ids=["missing", "wrong", "no-scheme", "basic", "longer"])
+@pytest.mark.parametrize("method, path", [("POST", "/v1/completions"),
+                                          ("POST", "/v1/chat/completions"),
+                                          ("GET", "/v1/models"), ("GET", "/metrics")])
+def test_auth_required(server, headers, method, path):
+    response = httpx.request(method, f"{server.url}{path}", headers=headers,
+                             json={"model": MODEL_NAME, "prompt": "a", "stream": True})
+    assert response.status_code == 401
+    assert response.json()["error"]["code"] == "invalid_api_key"
+    assert response.headers["www-authenticate"] == "Bearer"
+
+
+def test_auth_with_openai_client(server):
+    bad = openai.OpenAI(api_key="nope", base_url=f"{server.url}/v1", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.completions.create(model=MODEL_NAME, prompt="a", max_tokens=2)
+    assert httpx.get(f"{server.url}/health").status_code == 200   # open for probes
+
+
+# -- overload and failures --------------------------------------------------------------------
+
+def test_full_queue_is_429_before_any_stream(server):
+    thread = server.server.engine_thread
+    thread.max_queue, saved = 0, thread.max_queue
+    try:
+        for stream in (True, False):
+            response = httpx.post(f"{server.url}/v1/completions", headers=server.headers,
+                                  json={"model": MODEL_NAME, "prompt": "a", "stream": stream})
+            assert response.status_code == 429
+            assert not response.headers["content-type"].startswith("text/event-stream")
+            assert response.json()["error"]["code"] == "queue_full"
+    finally:
+        thread.max_queue = saved
+
+
+def test_failed_step_is_a_generic_500_and_serving_goes_on(server, client, monkeypatch):
+    engine = server.llm.engine
+    real_step, failures = engine.step, []
+
+    def failing_step():
+        if len(failures) < 2:
+            failures.append(1)
+            raise RuntimeError("injected failure: secret internals")
+        return real_step()
+
+    monkeypatch.setattr(engine, "step", failing_step)
+    thread = server.server.engine_thread
+    try:
+        response = httpx.post(f"{server.url}/v1/completions", headers=server.headers,
+                              json={"model": MODEL_NAME, "prompt": "a", "max_tokens": 3})
+        assert response.status_code == 500
+        assert "secret" not in response.text and "Traceback" not in response.text
+        assert response.json()["error"]["type"] == "server_error"
+        with httpx.stream("POST", f"{server.url}/v1/completions", headers=server.headers,
+                          json={"model": MODEL_NAME, "prompt": "a", "max_tokens": 3,
+                                "stream": True}) as stream:
+            events = [line for line in stream.iter_lines() if line.startswith("data: ")]
+        assert json.loads(events[0][len("data: "):])["error"]["type"] == "server_error"
+        assert events[-1] == "data: [DONE]" and "secret" not in "".join(events)
+        assert len(thread.errors) == 2 and "injected" in str(thread.errors[0])
+    finally:
+        monkeypatch.undo()
+        thread.errors.clear()
+    out = client.completions.create(model=MODEL_NAME, prompt=REFERENCE_PROMPTS[0],
+                                    temperature=0, max_tokens=REFERENCE_MAX_TOKENS)
+    assert out.choices[0].text == server.reference[REFERENCE_PROMPTS[0]].text
+    assert server.metrics()['specjax_requests_total{outcome="error"}'] == 2
+
+
+def test_unknown_route_has_openai_error_body(server):
+    response = httpx.get(f"{server.url}/v1/nothing", headers=server.headers)
+    assert response.status_code == 404 and "error" in response.json()
+
+
+def test_metrics_report_tokens_and_speculation(server, client):
+    before = server.metrics()
+    client.completions.create(model=MODEL_NAME, prompt="a", max_tokens=7, temperature=0)
+    m = server.wait_idle()
+    assert m["specjax_generation_tokens_total"] == before["specjax_generation_tokens_total"] + 7
+    assert m["specjax_prompt_tokens_total"] == \
+        before["specjax_prompt_tokens_total"] + len(server.tokenizer.encode("a", add_bos=True))
+    assert m["specjax_kv_blocks_total"] == server.llm.engine.allocator.total_blocks
+    # Draft-target is on: drafts were verified, so acceptance figures are real numbers.
+    assert m["specjax_spec_acceptance_length"] >= 1.0
+    assert 0.0 <= m["specjax_spec_acceptance_rate"] <= 1.0
+    assert m["specjax_spec_draft_overhead"] >= 0.0
+    assert m["specjax_time_to_first_token_seconds_count"] >= 1

@@ -1,0 +1,115 @@
+"""`python -m specjax.serve`: argument handling, the default speculative mode, and one real
+start-up as a subprocess on a saved tiny checkpoint with its own chat template."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+from flax import nnx
+from live_server import TINY_SERVE
+
+from specjax.models import Llama, save_hf_checkpoint
+from specjax.models.registry import BUNDLED_TARGET, CHECKPOINTS_DIR
+from specjax.serve import __main__ as cli
+from specjax.serve.defaults import (default_speculative_config, parse_speculative_config,
+                                    served_model_name)
+from specjax.speculative.config import DraftTargetConfig, NGramConfig
+
+
+def test_default_speculation_is_draft_target_for_the_bundled_model(tmp_path):
+    if not (CHECKPOINTS_DIR / "stdlib-draft" / "config.json").exists():
+        pytest.skip("the bundled draft model is not in this checkout")
+    spec = default_speculative_config("bundled")
+    assert isinstance(spec, DraftTargetConfig) and spec.max_draft_len == 4
+    assert spec.speculative_model == str(CHECKPOINTS_DIR / "stdlib-draft")
+    assert default_speculative_config(tmp_path) is None
+    assert parse_speculative_config(None, "bundled") == spec
+    assert parse_speculative_config("none", "bundled") is None
+
+
+def test_speculative_config_from_json_or_file(tmp_path):
+    ngram = NGramConfig(max_draft_len=3)
+    assert parse_speculative_config(ngram.to_json(), tmp_path) == ngram
+    path = tmp_path / "spec.json"
+    path.write_text(ngram.to_json())
+    assert parse_speculative_config(str(path), tmp_path) == ngram
+    with pytest.raises(ValueError, match="neither 'none', JSON, nor a file"):
+        parse_speculative_config("ngram", tmp_path)
+    with pytest.raises(ValueError, match="--speculative-config"):
+        parse_speculative_config('{"mode": 6, "max_draft_len": 0}', tmp_path)
+
+
+def test_served_model_name(tmp_path):
+    assert served_model_name("bundled") == BUNDLED_TARGET
+    assert served_model_name(tmp_path / "my-model") == "my-model"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--speculative-config", "{not json"], "--speculative-config"),
+    (["--model", "/nonexistent/folder", "--speculative-config", "none"], "neither 'bundled'"),
+    (["--port", "70000"], "--port"),
+    (["--max-queue", "-1"], "--max-queue"),
+    (["--max-tokens-cap", "0"], "max_tokens_cap"),
+])
+def test_bad_arguments_exit_2_before_loading(argv, message, capsys):
+    assert cli.main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_serve_subprocess_with_checkpoint_chat_template(tmp_path, bundled_tokenizer):
+    folder = tmp_path / "tiny-ckpt"
+    save_hf_checkpoint(Llama(TINY_SERVE, rngs=nnx.Rngs(3)), folder)
+    shutil.copy(CHECKPOINTS_DIR / BUNDLED_TARGET / "tokenizer.json", folder)
+    template = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}"
+                "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+    port, key = _free_port(), "env-key"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "specjax.serve", "--model", str(folder), "--port", str(port),
+         "--speculative-config", "none", "--max-batch-size", "1", "--log-level", "warning"],
+        env={**os.environ, "SPECJAX_API_KEY": key}, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, proc.stdout.read()
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "server did not come up"
+            time.sleep(0.25)
+        body = {"model": "tiny-ckpt", "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 3, "temperature": 0}
+        assert httpx.post(f"{url}/v1/chat/completions", json=body).status_code == 401
+        response = httpx.post(f"{url}/v1/chat/completions", json=body,
+                              headers={"Authorization": f"Bearer {key}"}, timeout=30)
+        assert response.status_code == 200, response.text
+        usage = response.json()["usage"]
+        rendered = bundled_tokenizer.encode("<|user|>hi<|assistant|>")  # no BOS: template's
+        assert usage == {"prompt_tokens": len(rendered), "completion_tokens": 3,
+                         "total_tokens": len(rendered) + 3}
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            code = proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+    assert code == 0
