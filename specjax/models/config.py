@@ -170,10 +170,7 @@ class ModelConfig:
             "initializer_range": self.initializer_range,
         }
         if self.rope_scaling is not None:
-            scaling = dataclasses.asdict(self.rope_scaling)
-            if self.rope_scaling.rope_type == "linear":
-                scaling = {"rope_type": "linear", "factor": self.rope_scaling.factor}
-            hf["rope_scaling"] = scaling
+            hf["rope_scaling"] = rope_scaling_to_hf(self.rope_scaling)
         windows = {w for w in (self.sliding_windows or ()) if w is not None}
         if windows:
             if self.model_type != "mistral" or len(windows) > 1 or None in self.sliding_windows:
@@ -228,3 +225,10 @@ def _sliding_windows_from_hf(hf, model_type, num_layers):
     if layer_types is None:
         return (int(window),) * num_layers
     return tuple(int(window) if t == "sliding_attention" else None for t in layer_types)
+
+
+def rope_scaling_to_hf(scaling: RopeScaling) -> dict:
+    """The `rope_scaling` entry of a Hugging Face config.json for this scaling."""
+    if scaling.rope_type == "linear":
+        return {"rope_type": "linear", "factor": scaling.factor}
+    return dataclasses.asdict(scaling)

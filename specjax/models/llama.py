@@ -186,10 +186,10 @@ def _check_capture_layers(config: ModelConfig, layers: Sequence[int]) -> None:
                              f"{config.num_layers} layers (0..{config.num_layers - 1})")
 
 
-def decoder_layer(cfg: ModelConfig, lp: dict[str, jax.Array], x: jax.Array, cos: jax.Array,
-                  sin: jax.Array, attend: Callable, state: Any) -> tuple[jax.Array, Any]:
-    """One pre-norm decoder layer on x `[B, T, D]` with this layer's params `lp`;
-    `attend(q, k, v, state) -> (out, state)`."""
+def layer_qkv(cfg: ModelConfig, lp: dict[str, jax.Array], x: jax.Array, cos: jax.Array,
+              sin: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """x `[B, T, H]` -> q `[B, T, heads, hd]`, k, v `[B, T, kv, hd]` (norm, biases, q/k norm,
+    RoPE)."""
     B, T, _ = x.shape
     hd = cfg.head_dim
     h = rms_norm(x, lp["input_norm"], cfg.rms_norm_eps)
@@ -202,12 +202,17 @@ def decoder_layer(cfg: ModelConfig, lp: dict[str, jax.Array], x: jax.Array, cos:
     if cfg.qk_norm:
         q = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps)
         k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    attn, state = attend(q, k, v, state)
-    attn = attn.reshape(B, T, cfg.num_heads * hd) @ lp["o_proj"]
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
+def layer_finish(cfg: ModelConfig, lp: dict[str, jax.Array], attn: jax.Array,
+                 residual: jax.Array) -> jax.Array:
+    """attn `[B, T, heads, hd]`, residual `[B, T, H]` -> layer output `[B, T, H]`."""
+    B, T = attn.shape[:2]
+    attn = attn.reshape(B, T, cfg.num_heads * cfg.head_dim) @ lp["o_proj"]
     if cfg.o_bias:
         attn = attn + lp["o_bias"]
-    x = x + attn
+    x = residual + attn
     h = rms_norm(x, lp["post_norm"], cfg.rms_norm_eps)
     gate, up = h @ lp["gate_proj"], h @ lp["up_proj"]
     if cfg.mlp_bias:
@@ -215,7 +220,17 @@ def decoder_layer(cfg: ModelConfig, lp: dict[str, jax.Array], x: jax.Array, cos:
     down = (jax.nn.silu(gate) * up) @ lp["down_proj"]
     if cfg.mlp_bias:
         down = down + lp["down_bias"]
-    return x + down, state
+    return x + down
+
+
+def decoder_layer(cfg: ModelConfig, lp: dict[str, jax.Array], x: jax.Array, cos: jax.Array,
+                  sin: jax.Array, attend: Callable, state: Any) -> tuple[jax.Array, Any]:
+    """One pre-norm decoder layer on x `[B, T, D]` with this layer's params `lp`;
+    `attend(q, k, v, state) -> (out, state)`. Split around its attention (`layer_qkv`,
+    `layer_finish`) so that drafter blocks (MTP) are bit-for-bit target layers."""
+    q, k, v = layer_qkv(cfg, lp, x, cos, sin)
+    attn, state = attend(q, k, v, state)
+    return layer_finish(cfg, lp, attn, x), state
 
 
 def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax.Array,

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from specjax.models.config import DTYPES, RopeScaling, _rope_from_hf
+from specjax.models.config import DTYPES, RopeScaling, _rope_from_hf, rope_scaling_to_hf
 from specjax.models.llama import dense_attention, rms_norm
 from specjax.models.rope import apply_rope, rope_tables
 
@@ -150,10 +150,7 @@ class Eagle3HeadConfig:
             "initializer_range": self.initializer_range,
         }
         if self.rope_scaling is not None:
-            scaling = dataclasses.asdict(self.rope_scaling)
-            if self.rope_scaling.rope_type == "linear":
-                scaling = {"rope_type": "linear", "factor": self.rope_scaling.factor}
-            hf["rope_scaling"] = scaling
+            hf["rope_scaling"] = rope_scaling_to_hf(self.rope_scaling)
         return hf
 
 

@@ -29,8 +29,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from specjax.models.config import ModelConfig
-from specjax.models.llama import Llama, dense_attention, layer_param_shapes, rms_norm
-from specjax.models.rope import apply_rope, rope_tables
+from specjax.models.llama import (Llama, dense_attention, layer_finish, layer_param_shapes,
+                                  layer_qkv, rms_norm)
+from specjax.models.rope import rope_tables
 
 # (q [B,T,heads,hd], k [B,T,kv,hd], v [B,T,kv,hd], state) -> (out [B,T,heads,hd], state)
 HeadAttendFn = Callable[[jax.Array, jax.Array, jax.Array, Any], tuple[jax.Array, Any]]
@@ -39,47 +40,6 @@ HeadAttendFn = Callable[[jax.Array, jax.Array, jax.Array, Any], tuple[jax.Array,
 def target_lm_head(target: Llama) -> jax.Array:
     """The target's LM head as a `[H, vocab]` matrix (the embedding's transpose if tied)."""
     return target.embed[...].T if target.config.tie_word_embeddings else target.lm_head[...]
-
-
-# ---- a Llama decoder layer split around its attention -------------------------------------
-# Same arithmetic, in the same order, as `specjax.models.llama.decoder_layer` (a test checks
-# the composition against it), so an MTP block is bit-for-bit a target layer.
-
-def layer_qkv(cfg: ModelConfig, lp: dict[str, jax.Array], x: jax.Array, cos: jax.Array,
-              sin: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """x `[B, T, H]` -> q `[B, T, heads, hd]`, k, v `[B, T, kv, hd]` (norm, biases, q/k norm,
-    RoPE)."""
-    B, T, _ = x.shape
-    hd = cfg.head_dim
-    h = rms_norm(x, lp["input_norm"], cfg.rms_norm_eps)
-    q, k, v = h @ lp["q_proj"], h @ lp["k_proj"], h @ lp["v_proj"]
-    if cfg.qkv_bias:
-        q, k, v = q + lp["q_bias"], k + lp["k_bias"], v + lp["v_bias"]
-    q = q.reshape(B, T, cfg.num_heads, hd)
-    k = k.reshape(B, T, cfg.num_kv_heads, hd)
-    v = v.reshape(B, T, cfg.num_kv_heads, hd)
-    if cfg.qk_norm:
-        q = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps)
-        k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
-    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
-
-
-def layer_finish(cfg: ModelConfig, lp: dict[str, jax.Array], attn: jax.Array,
-                 residual: jax.Array) -> jax.Array:
-    """attn `[B, T, heads, hd]`, residual `[B, T, H]` -> layer output `[B, T, H]`."""
-    B, T = attn.shape[:2]
-    attn = attn.reshape(B, T, cfg.num_heads * cfg.head_dim) @ lp["o_proj"]
-    if cfg.o_bias:
-        attn = attn + lp["o_bias"]
-    x = residual + attn
-    h = rms_norm(x, lp["post_norm"], cfg.rms_norm_eps)
-    gate, up = h @ lp["gate_proj"], h @ lp["up_proj"]
-    if cfg.mlp_bias:
-        gate, up = gate + lp["gate_bias"], up + lp["up_bias"]
-    down = (jax.nn.silu(gate) * up) @ lp["down_proj"]
-    if cfg.mlp_bias:
-        down = down + lp["down_bias"]
-    return x + down
 
 
 def _dense_attend(positions: jax.Array) -> HeadAttendFn:
