@@ -60,13 +60,8 @@ class ModelConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"ModelConfig.{name} must be a positive int, got {value!r}")
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"ModelConfig.num_heads ({self.num_heads}) must be a multiple of "
-                             f"num_kv_heads ({self.num_kv_heads})")
-        if self.head_dim % 2:
-            raise ValueError(f"ModelConfig.head_dim must be even for RoPE, got {self.head_dim}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"ModelConfig.dtype must be one of {DTYPES}, got {self.dtype!r}")
+        check_attention_fields("ModelConfig", self.num_heads, self.num_kv_heads, self.head_dim,
+                               self.dtype)
         if self.sliding_windows is not None and len(self.sliding_windows) != self.num_layers:
             raise ValueError(f"ModelConfig.sliding_windows has {len(self.sliding_windows)} entries "
                              f"for {self.num_layers} layers")
@@ -110,7 +105,7 @@ class ModelConfig:
         num_heads = hf["num_attention_heads"]
         num_layers = hf["num_hidden_layers"]
         head_dim = hf.get("head_dim") or hf["hidden_size"] // num_heads
-        theta, scaling = _rope_from_hf(hf)
+        theta, scaling = rope_from_hf(hf)
         if dtype is None:
             dtype = hf.get("dtype") or hf.get("torch_dtype") or "float32"
             dtype = dtype if dtype in DTYPES else "float32"
@@ -186,7 +181,7 @@ class ModelConfig:
             return cls.from_hf_dict(json.load(f), dtype=dtype)
 
 
-def _rope_from_hf(hf: dict[str, Any]) -> tuple[float, RopeScaling | None]:
+def rope_from_hf(hf: dict[str, Any]) -> tuple[float, RopeScaling | None]:
     # transformers >= 5 writes `rope_parameters` (theta included); older configs use
     # `rope_theta` + `rope_scaling`. Accept both.
     params = dict(hf.get("rope_parameters") or {})
@@ -232,3 +227,15 @@ def rope_scaling_to_hf(scaling: RopeScaling) -> dict:
     if scaling.rope_type == "linear":
         return {"rope_type": "linear", "factor": scaling.factor}
     return dataclasses.asdict(scaling)
+
+
+def check_attention_fields(owner: str, num_heads: int, num_kv_heads: int, head_dim: int,
+                           dtype: str) -> None:
+    """The checks every attention-carrying config shares; errors name `owner.field`."""
+    if num_heads % num_kv_heads:
+        raise ValueError(f"{owner}.num_heads ({num_heads}) must be a multiple of "
+                         f"num_kv_heads ({num_kv_heads})")
+    if head_dim % 2:
+        raise ValueError(f"{owner}.head_dim must be even for RoPE, got {head_dim}")
+    if dtype not in DTYPES:
+        raise ValueError(f"{owner}.dtype must be one of {DTYPES}, got {dtype!r}")

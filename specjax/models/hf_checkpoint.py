@@ -73,11 +73,26 @@ def read_safetensors(folder: str | os.PathLike) -> dict[str, np.ndarray]:
     return tensors
 
 
-def _checked(name: str, array: np.ndarray, expected: tuple[int, ...]) -> np.ndarray:
+def checked_shape(name: str, array: np.ndarray, expected: tuple[int, ...]) -> np.ndarray:
     if tuple(array.shape) != tuple(expected):
         raise CheckpointError(f"tensor {name!r} has shape {tuple(array.shape)}, expected "
                               f"{tuple(expected)} from config.json")
     return array
+
+
+def tensor_taker(tensors: dict[str, np.ndarray], np_dtype, where: str):
+    """`take(name, expected, transpose=False)`: pop a tensor from `tensors`, check its shape
+    (named in the error, in the file's own layout) and return it in our layout and dtype."""
+
+    def take(name: str, expected: tuple[int, ...], transpose: bool = False) -> np.ndarray:
+        if name not in tensors:
+            raise CheckpointError(f"tensor {name!r} is missing from {where}")
+        # Compare in the file's own layout so the message matches what the user sees on disk.
+        file_shape = tuple(reversed(expected)) if transpose else expected
+        array = checked_shape(name, tensors.pop(name), file_shape)
+        return (array.T if transpose else array).astype(np_dtype)
+
+    return take
 
 
 def load_hf_checkpoint(path: str | os.PathLike, dtype: str | None = None) -> Llama:
@@ -94,13 +109,7 @@ def load_hf_checkpoint(path: str | os.PathLike, dtype: str | None = None) -> Lla
     tensors = read_safetensors(folder)
     np_dtype = jnp.dtype(config.dtype)
 
-    def take(name: str, expected: tuple[int, ...], transpose: bool = False) -> np.ndarray:
-        if name not in tensors:
-            raise CheckpointError(f"tensor {name!r} is missing from the checkpoint in {folder}")
-        # Compare in the file's own layout so the message matches what the user sees on disk.
-        file_shape = tuple(reversed(expected)) if transpose else expected
-        array = _checked(name, tensors.pop(name), file_shape)
-        return (array.T if transpose else array).astype(np_dtype)
+    take = tensor_taker(tensors, np_dtype, f"the checkpoint in {folder}")
 
     V, D, L = config.vocab_size, config.hidden_size, config.num_layers
     params = {"embed": take("model.embed_tokens.weight", (V, D)),

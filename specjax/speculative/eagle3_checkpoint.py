@@ -35,7 +35,8 @@ import numpy as np
 from flax import nnx
 from safetensors.numpy import save_file
 
-from specjax.models.hf_checkpoint import CheckpointError, _checked, read_safetensors
+from specjax.models.hf_checkpoint import (CheckpointError, checked_shape, read_safetensors,
+                                          tensor_taker)
 from specjax.speculative.eagle3_head import Eagle3Head, Eagle3HeadConfig, eagle3_param_shapes
 
 # midlayer param -> (public name, transposed in the file?)
@@ -79,12 +80,7 @@ def load_eagle3_head(folder: str | os.PathLike, dtype: str | None = None) -> Eag
     tensors = read_safetensors(folder)
     np_dtype = jnp.dtype(config.dtype)
 
-    def take(name: str, expected: tuple[int, ...], transpose: bool = False) -> np.ndarray:
-        if name not in tensors:
-            raise CheckpointError(f"tensor {name!r} is missing from the EAGLE-3 head in {folder}")
-        file_shape = tuple(reversed(expected)) if transpose else expected
-        array = _checked(name, tensors.pop(name), file_shape)
-        return (array.T if transpose else array).astype(np_dtype)
+    take = tensor_taker(tensors, np_dtype, f"the EAGLE-3 head in {folder}")
 
     H, Vd = config.hidden_size, config.draft_vocab_size
     params = {
@@ -114,8 +110,8 @@ def _vocab_maps(tensors: dict, config: Eagle3HeadConfig, folder: Path
         if name not in tensors:
             raise CheckpointError(f"tensor {name!r} is missing from the EAGLE-3 head in {folder} "
                                   f"(needed: draft_vocab_size {Vd} < vocab_size {V})")
-    d2t = _checked("d2t", tensors.pop("d2t"), (Vd,))
-    t2d = _checked("t2d", tensors.pop("t2d"), (V,))
+    d2t = checked_shape("d2t", tensors.pop("d2t"), (Vd,))
+    t2d = checked_shape("t2d", tensors.pop("t2d"), (V,))
     if not np.issubdtype(d2t.dtype, np.integer):
         raise CheckpointError(f"tensor 'd2t' has dtype {d2t.dtype}, expected an integer type")
     targets = np.arange(Vd, dtype=np.int64) + d2t.astype(np.int64)

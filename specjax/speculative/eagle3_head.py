@@ -29,7 +29,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from specjax.models.config import DTYPES, RopeScaling, _rope_from_hf, rope_scaling_to_hf
+from specjax.models.config import (DTYPES, RopeScaling, check_attention_fields, rope_from_hf,
+                                   rope_scaling_to_hf)
 from specjax.models.llama import dense_attention, rms_norm
 from specjax.models.rope import apply_rope, rope_tables
 
@@ -66,16 +67,11 @@ class Eagle3HeadConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"Eagle3HeadConfig.{name} must be a positive int, got {value!r}")
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"Eagle3HeadConfig.num_heads ({self.num_heads}) must be a multiple "
-                             f"of num_kv_heads ({self.num_kv_heads})")
-        if self.head_dim % 2:
-            raise ValueError(f"Eagle3HeadConfig.head_dim must be even for RoPE, got {self.head_dim}")
+        check_attention_fields("Eagle3HeadConfig", self.num_heads, self.num_kv_heads,
+                               self.head_dim, self.dtype)
         if self.draft_vocab_size > self.vocab_size:
             raise ValueError(f"Eagle3HeadConfig.draft_vocab_size ({self.draft_vocab_size}) exceeds "
                              f"vocab_size ({self.vocab_size})")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"Eagle3HeadConfig.dtype must be one of {DTYPES}, got {self.dtype!r}")
 
     def replace(self, **changes) -> "Eagle3HeadConfig":
         return dataclasses.replace(self, **changes)
@@ -116,7 +112,7 @@ class Eagle3HeadConfig:
             if hf.get(flag):
                 raise ValueError(f"unsupported {flag}=true in EAGLE-3 config.json")
         num_heads = hf["num_attention_heads"]
-        theta, scaling = _rope_from_hf(hf)
+        theta, scaling = rope_from_hf(hf)
         if dtype is None:
             dtype = hf.get("dtype") or hf.get("torch_dtype") or "float32"
             dtype = dtype if dtype in DTYPES else "float32"
