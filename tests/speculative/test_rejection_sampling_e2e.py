@@ -9,58 +9,27 @@ outcome is deterministic; a correct implementation would fail for a random seed 
 probability about 1e-4. The same test run against the draft model's own samples must fail,
 which shows it has the power to catch a sampler that leaks the draft distribution.
 """
-import collections
-import math
-
 import pytest
 
-import specjax
-from specjax import SamplingParams
+from specjax.bench.sampling import BUNDLED_DRAFT, PROMPT, chi_square, make_llm, observations
 from specjax.models.registry import CHECKPOINTS_DIR
-from specjax.speculative.config import DraftTargetConfig
+from specjax.sampling_params import SamplingParams
 
-DRAFT = CHECKPOINTS_DIR / "stdlib-draft"
-PROMPT = "def fibonacci(n):"
+DRAFT = CHECKPOINTS_DIR / BUNDLED_DRAFT
 N = 400
 pytestmark = pytest.mark.skipif(not (DRAFT / "config.json").exists(), reason="no bundled draft")
 
 
-def _llm(model, spec=None):
-    # Compiled lazily: only the shapes these runs use (other tests check warm-up).
-    return specjax.LLM(model, max_batch_size=8, max_prefill_rows=4, prefill_chunk=16,
-                       max_model_len=64, speculative_config=spec, warmup=False, progress=False)
-
-
-def _spec(rejection_sampling: bool):
-    return DraftTargetConfig(max_draft_len=3, speculative_model=str(DRAFT),
-                             use_rejection_sampling=rejection_sampling)
+def _llm(model, rejection_sampling=None):
+    return make_llm(model, 0 if rejection_sampling is None else 3, bool(rejection_sampling))
 
 
 def _observations(llm, seed_offset: int) -> list[tuple[int, int]]:
-    """(token 3, token 4) of each of N sequences sampled at temperature 1, top-k 8. Token 3
-    onwards is decided by verification (token 1 by prefill, token 2 by the first generation
-    step, which has no drafts yet)."""
-    params = [SamplingParams(max_tokens=4, temperature=1.0, top_k=8, seed=seed_offset + i,
-                             ignore_eos=True) for i in range(N)]
-    return [tuple(o.token_ids[2:4]) for o in llm.generate([PROMPT] * N, params)]
+    return observations(llm, N, seed_offset, top_k=8)
 
 
-def chi_square_exceeds(a: list, b: list, z: float = 3.719) -> tuple[bool, float, float]:
-    """Two-sample chi-square homogeneity test; True when the samples differ at the level
-    whose standard normal quantile is z (3.719: alpha = 1e-4)."""
-    ca, cb = collections.Counter(a), collections.Counter(b)
-    na, nb = len(a), len(b)
-    keys = set(ca) | set(cb)
-    big = {k for k in keys if (ca[k] + cb[k]) * min(na, nb) / (na + nb) >= 5}
-    rows = [(ca[k], cb[k]) for k in big]
-    rows.append((sum(ca[k] for k in keys - big), sum(cb[k] for k in keys - big)))
-    rows = [r for r in rows if sum(r)]
-    stat = 0.0
-    for x, y in rows:
-        ea, eb = (x + y) * na / (na + nb), (x + y) * nb / (na + nb)
-        stat += (x - ea) ** 2 / ea + (y - eb) ** 2 / eb
-    df = len(rows) - 1
-    critical = df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+def chi_square_exceeds(a: list, b: list) -> tuple[bool, float, float]:
+    stat, _, critical = chi_square(a, b)
     return stat > critical, stat, critical
 
 
@@ -71,7 +40,7 @@ def plain_llm():
 
 @pytest.fixture(scope="module")
 def rs_llm():
-    return _llm("bundled", _spec(rejection_sampling=True))
+    return _llm("bundled", rejection_sampling=True)
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +69,7 @@ def test_the_statistic_detects_the_draft_distribution(plain_samples):
 def test_rejection_sampling_accepts_more_than_strict_matching(rs_llm):
     params = [SamplingParams(max_tokens=24, temperature=1.0, seed=i) for i in range(8)]
     rates = {}
-    for rejection_sampling, llm in [(False, _llm("bundled", _spec(False))), (True, rs_llm)]:
+    for rejection_sampling, llm in [(False, _llm("bundled", rejection_sampling=False)), (True, rs_llm)]:
         before = (llm.stats.accepted_draft_tokens, llm.stats.drafted_tokens)
         llm.generate([PROMPT] * len(params), params)
         accepted = llm.stats.accepted_draft_tokens - before[0]
