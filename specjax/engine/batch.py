@@ -22,6 +22,9 @@ class StepBatch:
     seeds: jax.Array         # [B] uint32
     slots: jax.Array         # [B] int32: the request's sequence slot (padded rows: the spare)
     max_lens: jax.Array      # [B] int32: prompt + output may not exceed this many tokens
+    # [B] int32: the prompt token after a prompt-chunk run (-1: the run ends the prompt). Only
+    # hidden-state drafters read it (their row t pairs hidden state t with token t+1).
+    next_tokens: jax.Array | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -31,6 +34,8 @@ class StepBatch:
 @struct.dataclass
 class StepOutput:
     tokens: jax.Array        # [B] int32: the token sampled after each row's run
+    # [C, B, T, H]: residual streams after the captured layers (SAVE_HIDDEN_STATES only)
+    hidden_states: jax.Array | None = None
 
 
 @struct.dataclass

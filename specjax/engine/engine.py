@@ -23,7 +23,8 @@ from specjax.engine.stats import EngineStats
 from specjax.engine.step import make_step
 from specjax.models.llama import Llama
 from specjax.sampling_params import SamplingParams
-from specjax.speculative.config import SpeculativeConfig
+from specjax.engine.hidden_states import HiddenStateRecorder
+from specjax.speculative.config import SaveHiddenStatesConfig, SpeculativeConfig
 from specjax.speculative.factory import get_spec_drafter, get_spec_worker
 from specjax.speculative.schedule import SpeculationGate, get_draft_len_for_batch_size
 from specjax.speculative.step import make_spec_step
@@ -72,7 +73,7 @@ class Engine:
                  speculative_config: SpeculativeConfig | None = None,
                  draft_model: Llama | None = None):
         model = model.unstacked()  # per-layer weights: a decode step reads them in place
-        if draft_model is not None:
+        if isinstance(draft_model, Llama):
             draft_model = draft_model.unstacked()
         self.config = config
         self.model_config = mc = model.config
@@ -83,8 +84,15 @@ class Engine:
                              f"max_position_embeddings {mc.max_position_embeddings}")
         bs = config.tokens_per_block
         self.spec = speculative_config
+        # SAVE_HIDDEN_STATES drafts nothing: the steps only hand back captured hidden states.
+        self.recorder = None
+        save_layers: tuple[int, ...] = ()
+        if isinstance(speculative_config, SaveHiddenStatesConfig):
+            save_layers = speculative_config.layers_to_capture(mc.num_layers)
+            self.recorder = HiddenStateRecorder(speculative_config, save_layers)
+            self.spec = speculative_config = None
         self.max_draft_len = speculative_config.max_draft_len if speculative_config else 0
-        self.worker = get_spec_worker(speculative_config, draft_model)
+        self.worker = get_spec_worker(speculative_config, draft_model, mc)
         self.drafter = get_spec_drafter(speculative_config, self.max_len)
         # Verify and in-step drafting may write up to 2D positions past the newest token.
         self.blocks_per_seq = -(-(self.max_len + 2 * self.max_draft_len) // bs)
@@ -97,15 +105,16 @@ class Engine:
         self.kv = {"target": make_kv_pool(mc, num_blocks, bs)}
         if self.worker is not None:
             self.params["draft"] = nnx.to_pure_dict(nnx.split(draft_model)[1])
-            self.kv["draft"] = make_kv_pool(draft_model.config, num_blocks, bs, mc.dtype)
+            self.kv["draft"] = self.worker.make_kv(num_blocks, bs, mc.dtype)
         # Rejection sampling needs the drafts' distributions from one step to the next; only
         # in-step drafters have them (host drafters fail closed to strict acceptance).
         keep_probs = getattr(self.worker, "rejection_sampling", False)
         self.kv["slots"] = make_slot_state(config.max_batch_size, self.max_draft_len,
                                            mc.vocab_size if keep_probs else 0)
         self.allocator = BlockAllocator(num_blocks, bs)
-        self._step = make_step(self.graphdef, self.worker)
-        self._spec_step = make_spec_step(self.graphdef, self.worker)  # every generation step
+        self._step = make_step(self.graphdef, self.worker, save_layers)
+        # Every generation step, plain decoding (D = 0) included.
+        self._spec_step = make_spec_step(self.graphdef, self.worker, save_layers)
         spec = speculative_config
         self.gate = (SpeculationGate(spec.acceptance_rate_window_size, spec.acceptance_rate_threshold)
                      if spec and spec.acceptance_rate_window_size > 0 else None)
@@ -223,13 +232,19 @@ class Engine:
             self._apply_generation(*dispatched)
         if prefill:
             tokens = np.asarray(prefill_out.tokens)
+            if self.recorder is not None:
+                hidden = np.asarray(prefill_out.hidden_states)
             for i, (request, n) in enumerate(prefill):
+                if self.recorder is not None:
+                    self.recorder.record(request, request.num_computed, hidden[:, i, :n])
                 request.num_computed += n
                 if request.num_computed == request.num_tokens:
                     request.prefilled = True
                     self._append(request, [int(tokens[i])])
                     self._advanced[request.request_id] = request
         self.num_steps += 1
+        if self.recorder is not None:
+            self.recorder.maybe_flush(self.num_steps, idle=not self.has_unfinished())
         self.stats.step_time += time.perf_counter() - start
         return [r.output() for r in self._advanced.values()]
 
@@ -330,6 +345,7 @@ class Engine:
         lens = np.asarray(out.new_tokens_lens)
         draft_lens = np.asarray(out.draft_lens)
         next_drafts = np.asarray(out.next_draft_tokens)
+        hidden = np.asarray(out.hidden_states) if self.recorder is not None else None
         accepted_sum = drafted_sum = with_drafts = 0
         for i, (request, reserve, _) in enumerate(rows):
             if request.status is not Status.RUNNING:
@@ -339,6 +355,8 @@ class Engine:
             drafted_len = int(draft_lens[i])  # the device's real length, snapshotted unpadded
             num_drafts_verified = min(drafted_len, verified_len)
             rewind_len = verified_len - num_accepted
+            if hidden is not None:
+                self.recorder.record(request, request.num_computed, hidden[:, i, :1])
             request.num_computed += num_accepted + 1
             # Give back the rejected positions and the unused reserve (what an in-step drafter
             # wrote past them) -- but keep what a newer, still unread step may write.
@@ -352,6 +370,7 @@ class Engine:
             stats.num_draft_tokens += num_drafts_verified
             stats.num_accepted_draft_tokens += num_accepted
             if num_drafts_verified > 0:
+                stats.num_steps_with_drafts += 1
                 with_drafts += 1
                 accepted_sum += num_accepted
                 drafted_sum += num_drafts_verified
@@ -380,6 +399,8 @@ class Engine:
         self.running.remove(request)
         self._free_slots.append(request.slot)
         request.slot, request.num_computed = None, 0
+        if self.recorder is not None:
+            self.recorder.drop(request)
         request.prefilled = False  # recompute every token, then sample the next one
         request.draft_tokens = []
         request.status = Status.WAITING
@@ -409,6 +430,8 @@ class Engine:
             batch["seeds"][i] = request.seed
             batch["slots"][i] = request.slot
             batch["max_lens"][i] = request.max_len
+            end = request.num_computed + len(run)
+            batch["next_tokens"][i] = request.all_ids[end] if end < request.num_tokens else -1
         self.kv, out = fn(self.params, self.kv, StepBatch(**batch))
         for leaf in jax.tree.leaves(out):  # start the small device->host copies now, unblocked
             leaf.copy_to_host_async()
@@ -427,6 +450,7 @@ class Engine:
             seeds=np.zeros(rows, np.uint32),
             slots=np.full(rows, self.config.max_batch_size, np.int32),  # the spare slot
             max_lens=np.zeros(rows, np.int32),
+            next_tokens=np.full(rows, -1, np.int32),
         )
         return batch if as_numpy else StepBatch(**batch)
 
@@ -467,6 +491,8 @@ class Engine:
         self.requests.pop(request.request_id, None)
         if self.drafter is not None:
             self.drafter.on_request_finished(request.request_id)
+        if self.recorder is not None:
+            self.recorder.finish(request)
         request.stats.finish_time = time.perf_counter()
         if decode and self.tokenizer is not None:
             request.text = self.tokenizer.decode(request.output_ids)

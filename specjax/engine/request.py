@@ -24,6 +24,7 @@ class RequestStats:
     decoding_iterations: int = 0   # target steps that produced tokens for this request
     num_preemptions: int = 0
     num_draft_tokens: int = 0      # drafts verified (real length, before padding)
+    num_steps_with_drafts: int = 0 # decoding iterations that verified at least one draft
     num_accepted_draft_tokens: int = 0
     num_generated_tokens: int = 0
 

@@ -12,8 +12,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from specjax.engine.batch import StepBatch
-from specjax.engine.kv_cache import KVPool
+from specjax.engine.kv_cache import KVPool, make_kv_pool
 from specjax.engine.step import paged_forward
+from specjax.models.config import ModelConfig
 from specjax.speculative.accept import draft_tokens_and_probs
 
 
@@ -22,18 +23,23 @@ class DraftTargetWorker:
     """Static (hashable) description of the draft model; its params travel as traced args."""
 
     graphdef: nnx.GraphDef
+    config: ModelConfig                    # the draft model's (its KV pool's shape)
     capture_layers: tuple[int, ...] = ()   # target hidden states the worker reads (none here)
     # Sampled rows draw their drafts from the filtered draft distribution and return it, so
     # the step can accept by rejection sampling; otherwise every row drafts the argmax.
     rejection_sampling: bool = False
 
-    def catch_up(self, params: dict, kv: KVPool, batch: StepBatch) -> KVPool:
+    def make_kv(self, num_blocks: int, tokens_per_block: int, dtype: str) -> KVPool:
+        return make_kv_pool(self.config, num_blocks, tokens_per_block, dtype)
+
+    def catch_up(self, params: dict, kv: KVPool, batch: StepBatch, target, captured,
+                 following) -> KVPool:
         """Write the draft model's K/V for the same runs the target just processed."""
-        kv, _ = paged_forward(nnx.merge(self.graphdef, params), kv, batch)
+        kv, _, _ = paged_forward(nnx.merge(self.graphdef, params), kv, batch)
         return kv
 
-    def draft(self, params: dict, kv: KVPool, batch: StepBatch, new_tokens: jax.Array,
-              new_lens: jax.Array, num_drafts: int
+    def draft(self, params: dict, kv: KVPool, batch: StepBatch, target, captured,
+              new_tokens: jax.Array, new_lens: jax.Array, num_drafts: int
               ) -> tuple[KVPool, jax.Array, jax.Array | None]:
         """After acceptance: catch up over the verified window, then draft `num_drafts` tokens
         one at a time from each row's newest token.
@@ -41,7 +47,7 @@ class DraftTargetWorker:
         Returns (kv, drafts `[B, num_drafts]`, draft probs `[B, num_drafts, V]` or None).
         """
         model = nnx.merge(self.graphdef, params)
-        kv, _ = paged_forward(model, kv, batch)
+        kv, _, _ = paged_forward(model, kv, batch)
         B = new_tokens.shape[0]
         if num_drafts == 0:
             return kv, jnp.zeros((B, 0), jnp.int32), None
@@ -51,7 +57,7 @@ class DraftTargetWorker:
         def one(carry, _):
             kv, token, pos = carry
             run = batch.replace(tokens=token[:, None], start_pos=pos, query_lens=live)
-            kv, hidden = paged_forward(model, kv, run)
+            kv, hidden, _ = paged_forward(model, kv, run)
             nxt, probs = draft_tokens_and_probs(model.logits(hidden[:, 0]), batch, pos + 1,
                                                 self.rejection_sampling)
             return (kv, nxt, pos + 1), (nxt, probs)

@@ -28,6 +28,8 @@ class SpecOutput:
     new_tokens_lens: jax.Array     # [B]: accepted + 1
     next_draft_tokens: jax.Array   # [B, D] (width 0 for host-drafter modes)
     draft_lens: jax.Array          # [B]: real drafts verified (before padding)
+    # [C, B, D+1, H]: residual streams after the captured layers (SAVE_HIDDEN_STATES only)
+    hidden_states: jax.Array | None = None
 
 
 def runs_from_slots(batch: StepBatch, slots, D: int) -> StepBatch:
@@ -42,13 +44,17 @@ def runs_from_slots(batch: StepBatch, slots, D: int) -> StepBatch:
 
 
 @functools.lru_cache(maxsize=None)  # engines over one model share compiled steps
-def make_spec_step(graphdef: nnx.GraphDef, worker=None):
+def make_spec_step(graphdef: nnx.GraphDef, worker=None, save_layers: tuple[int, ...] = ()):
+    """Build the jitted generation step; `worker` is the in-step drafter (None: host drafts
+    or none), `save_layers` the layers whose residual streams the output carries."""
+    capture = worker.capture_layers if worker is not None else save_layers
+
     def spec_step(params: dict, kv: dict, batch: StepBatch) -> tuple[dict, SpecOutput]:
         D = batch.tokens.shape[1] - 1
         if worker is not None or D == 0:  # the next run is already on device
             batch = runs_from_slots(batch, kv["slots"], D)
         model = nnx.merge(graphdef, params["target"])
-        kv_target, hidden = paged_forward(model, kv["target"], batch)
+        kv_target, hidden, captured = paged_forward(model, kv["target"], batch, capture)
         logits = model.logits(hidden)
         slots = kv["slots"]
         # Decided by shapes: without draft distributions acceptance fails closed to strict.
@@ -68,8 +74,8 @@ def make_spec_step(graphdef: nnx.GraphDef, worker=None):
         if worker is None:
             drafts = jnp.zeros((B, 0), jnp.int32)
         else:
-            kv["draft"], drafts, probs = worker.draft(params["draft"], kv["draft"], batch,
-                                                      new_tokens, lens, D)
+            kv["draft"], drafts, probs = worker.draft(params["draft"], kv["draft"], batch, model,
+                                                      captured, new_tokens, lens, D)
         newest = jnp.take_along_axis(new_tokens, (lens - 1)[:, None], axis=1)
         run = jnp.zeros((B, slots.run.shape[1]), jnp.int32).at[:, :D + 1].set(
             jnp.concatenate([newest, drafts], axis=1))
@@ -80,6 +86,7 @@ def make_spec_step(graphdef: nnx.GraphDef, worker=None):
         if probs is not None and slots.draft_probs is not None:
             kv["slots"] = kv["slots"].replace(
                 draft_probs=slots.draft_probs.at[batch.slots, :D].set(probs))
-        return kv, SpecOutput(new_tokens, lens, drafts, batch.query_lens - 1)
+        return kv, SpecOutput(new_tokens, lens, drafts, batch.query_lens - 1,
+                              captured if save_layers else None)
 
     return jax.jit(spec_step, donate_argnums=(1,))
