@@ -5,12 +5,14 @@ from __future__ import annotations
 import argparse
 import sys
 
-from specjax.train import draft, evaluate_cli, target
+from specjax.train import draft, eagle3, evaluate_cli, mtp, target
 
 # Each subcommand module provides add_arguments(parser) and run(args) -> exit code.
 SUBCOMMANDS = {
     "target": (target, "train the bundled target model on the Python standard library"),
     "draft": (draft, "train a small draft model with a target's tokenizer and corpus"),
+    "eagle3": (eagle3, "train an EAGLE-3 draft head on a frozen target's hidden states"),
+    "mtp": (mtp, "train MTP draft modules (or one MTP-Eagle module) on a frozen target"),
     "eval": (evaluate_cli, "validation loss of an exported target checkpoint"),
 }
 
