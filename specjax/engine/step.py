@@ -98,16 +98,22 @@ def make_step(graphdef: nnx.GraphDef, worker=None, save_layers: tuple[int, ...] 
         keys = sampling_keys(batch.seeds, batch.start_pos + batch.query_lens)
         tokens = sample(logits, batch.temperature, batch.top_k, batch.top_p, batch.min_p, keys)
         kv = {**kv, "target": kv_target}
+        slots = kv["slots"]
+        run = jnp.zeros((tokens.shape[0], slots.run.shape[1]), jnp.int32).at[:, 0].set(tokens)
+        num_drafts = jnp.zeros_like(tokens)
         if worker is not None:
             # The token after each run: the next prompt token, or the one just sampled.
-            following = jnp.where(batch.next_tokens >= 0, batch.next_tokens, tokens)
-            kv["draft"] = worker.catch_up(params["draft"], kv["draft"], batch, model,
-                                          captured, following)
-        slots = kv["slots"]
+            ends = batch.next_tokens < 0
+            following = jnp.where(ends, tokens, batch.next_tokens)
+            kv["draft"], drafts = worker.catch_up(params["draft"], kv["draft"], batch, model,
+                                                  captured, following, slots.run.shape[1] - 1)
+            if drafts is not None:  # the first generation step verifies these
+                run = run.at[:, 1:].set(drafts)
+                num_drafts = jnp.where(ends & (batch.query_lens > 0), drafts.shape[1], 0)
         kv["slots"] = slots.replace(
-            run=slots.run.at[batch.slots].set(0).at[batch.slots, 0].set(tokens),
+            run=slots.run.at[batch.slots].set(run),
             start=slots.start.at[batch.slots].set(batch.start_pos + batch.query_lens),
-            num_drafts=slots.num_drafts.at[batch.slots].set(0))
+            num_drafts=slots.num_drafts.at[batch.slots].set(num_drafts))
         return kv, StepOutput(tokens=tokens, hidden_states=captured if save_layers else None)
 
     return jax.jit(step, donate_argnums=(1,))

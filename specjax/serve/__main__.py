@@ -26,7 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "the --model value is accepted too)")
     parser.add_argument("--speculative-config", default=None,
                         help="'none', JSON (SpeculativeConfig.to_json()) or a file holding it; "
-                             "default: draft-target with checkpoints/stdlib-draft for the "
+                             "default: EAGLE-3 with checkpoints/stdlib-eagle3 for the "
                              "bundled model, none otherwise")
     parser.add_argument("--host", default="127.0.0.1",
                         help="address to bind (default loopback only)")

@@ -5,15 +5,20 @@ import os
 from pathlib import Path
 
 from specjax.models.registry import BUNDLED_TARGET, CHECKPOINTS_DIR
-from specjax.speculative.config import DraftTargetConfig, SpeculativeConfig
+from specjax.speculative.config import DraftTargetConfig, EagleConfig, SpeculativeConfig
 
 BUNDLED_DRAFT = "stdlib-draft"
+BUNDLED_EAGLE3 = "stdlib-eagle3"
 
 
 def default_speculative_config(model: str | os.PathLike) -> SpeculativeConfig | None:
-    """The best mode available for `model`: draft-target with the shipped draft model for the
-    bundled target (when that folder exists), otherwise none. EAGLE-3 would slot in here."""
+    """The fastest mode shipped for `model` (`python -m specjax.bench spec`): for the bundled
+    target, EAGLE-3 with its trained head, else draft-target with the draft model (whichever
+    folder exists); none for other models."""
     if str(model) == "bundled":
+        head = CHECKPOINTS_DIR / BUNDLED_EAGLE3
+        if (head / "config.json").exists():
+            return EagleConfig(max_draft_len=4, speculative_model=str(head))
         draft = CHECKPOINTS_DIR / BUNDLED_DRAFT
         if (draft / "config.json").exists():
             return DraftTargetConfig(max_draft_len=4, speculative_model=str(draft))

@@ -290,15 +290,21 @@ class EagleConfig(SpeculativeConfig):
             return self.max_draft_len
         return self.max_total_draft_tokens or self.dynamic_tree_max_topK * self.max_draft_len
 
-    def layers_to_capture(self, num_layers: int) -> tuple[int, ...]:
+    def layers_to_capture(self, num_layers: int,
+                          head_layers: tuple[int, ...] | None = None) -> tuple[int, ...]:
         """The target layers (0-based) whose residual streams feed the head, for an
-        L-layer target: the explicit list (checked against L) or the default."""
-        if self.eagle3_layers_to_capture is None:
+        L-layer target: the explicit list, else the layers the head records it was trained on
+        (`head_layers`, from its config.json), else the default; checked against L."""
+        layers = self.eagle3_layers_to_capture
+        name = "eagle3_layers_to_capture"
+        if layers is None and head_layers is not None:
+            layers = _layer_tuple("the head's eagle_aux_hidden_state_layer_ids", head_layers, 3)
+            name = "the head's eagle_aux_hidden_state_layer_ids"
+        if layers is None:
             return default_eagle3_layers(num_layers)
         _positive_int("num_layers", num_layers)
-        _check_layers_in_range("eagle3_layers_to_capture", self.eagle3_layers_to_capture,
-                               num_layers)
-        return self.eagle3_layers_to_capture
+        _check_layers_in_range(name, layers, num_layers)
+        return layers
 
     def to_dict(self) -> dict[str, Any]:
         _model_field_to_dict(self, "an Eagle3Head", "save_eagle3_head(head, folder)")

@@ -33,10 +33,11 @@ class DraftTargetWorker:
         return make_kv_pool(self.config, num_blocks, tokens_per_block, dtype)
 
     def catch_up(self, params: dict, kv: KVPool, batch: StepBatch, target, captured,
-                 following) -> KVPool:
-        """Write the draft model's K/V for the same runs the target just processed."""
+                 following, num_drafts: int = 0) -> tuple[KVPool, None]:
+        """Write the draft model's K/V for the same runs the target just processed (drafting
+        starts with the first generation step)."""
         kv, _, _ = paged_forward(nnx.merge(self.graphdef, params), kv, batch)
-        return kv
+        return kv, None
 
     def draft(self, params: dict, kv: KVPool, batch: StepBatch, target, captured,
               new_tokens: jax.Array, new_lens: jax.Array, num_drafts: int

@@ -60,8 +60,18 @@ class Eagle3HeadConfig:
     rope_scaling: RopeScaling | None = None
     dtype: str = "float32"
     initializer_range: float = 0.02
+    # The target layers the head was trained on (config.json's
+    # eagle_config.eagle_aux_hidden_state_layer_ids); None: not recorded.
+    aux_hidden_state_layers: tuple[int, ...] | None = None
 
     def __post_init__(self):
+        if self.aux_hidden_state_layers is not None:
+            layers = tuple(self.aux_hidden_state_layers)
+            if len(layers) != NUM_CAPTURED or any(
+                    isinstance(x, bool) or not isinstance(x, int) or x < 0 for x in layers):
+                raise ValueError("Eagle3HeadConfig.aux_hidden_state_layers must be 3 layer "
+                                 f"indices >= 0, got {self.aux_hidden_state_layers!r}")
+            object.__setattr__(self, "aux_hidden_state_layers", layers)
         for name in ("hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "head_dim",
                      "vocab_size", "draft_vocab_size"):
             value = getattr(self, name)
@@ -116,7 +126,9 @@ class Eagle3HeadConfig:
         if dtype is None:
             dtype = hf.get("dtype") or hf.get("torch_dtype") or "float32"
             dtype = dtype if dtype in DTYPES else "float32"
+        aux = (hf.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
         return cls(
+            aux_hidden_state_layers=tuple(aux) if aux is not None else None,
             hidden_size=hf["hidden_size"], intermediate_size=hf["intermediate_size"],
             num_heads=num_heads, num_kv_heads=hf.get("num_key_value_heads") or num_heads,
             head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
@@ -147,6 +159,9 @@ class Eagle3HeadConfig:
         }
         if self.rope_scaling is not None:
             hf["rope_scaling"] = rope_scaling_to_hf(self.rope_scaling)
+        if self.aux_hidden_state_layers is not None:
+            hf["eagle_config"] = {"eagle_aux_hidden_state_layer_ids":
+                                  list(self.aux_hidden_state_layers)}
         return hf
 
 

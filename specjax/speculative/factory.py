@@ -88,8 +88,8 @@ def get_spec_worker(config: SpeculativeConfig | None, draft_model=None,
         if config.use_dynamic_tree:
             raise NotImplementedError("EAGLE-3 dynamic trees are not implemented yet; use a "
                                       "chain (use_dynamic_tree=False)")
-        return hw.Eagle3Worker(graphdef, config.layers_to_capture(L), rs,
-                               head_config=draft_model.config)
+        layers = config.layers_to_capture(L, draft_model.config.aux_hidden_state_layers)
+        return hw.Eagle3Worker(graphdef, layers, rs, head_config=draft_model.config)
     if mode is SpeculativeDecodingMode.MTP_EAGLE_ONE_MODEL:
         return hw.MTPEagleWorker(graphdef, (L - 1,), rs, target_config=target_config)
     if mode is SpeculativeDecodingMode.MTP:

@@ -34,6 +34,7 @@ from specjax.engine.batch import StepBatch
 from specjax.engine.kv_cache import KVPool
 from specjax.engine.step import PagedAttention
 from specjax.models.config import ModelConfig
+from specjax.models.llama import dense_attention
 from specjax.speculative.accept import draft_tokens_and_probs
 from specjax.speculative.eagle3_head import Eagle3HeadConfig
 from specjax.speculative.mtp_head import target_lm_head
@@ -58,24 +59,6 @@ def head_pass(run_fn, kv: KVPool, layer: int, run: StepBatch, target, hidden: ja
     out, kv = run_fn(target.embed_tokens(run.tokens), hidden, paged.positions,
                      lambda q, k, v, pool: paged.attend(q, k, v, layer, pool), kv)
     return kv, out
-
-
-def head_pass_last_row(head_layer, kv: KVPool, layer: int, run: StepBatch, target,
-                       hidden: jax.Array) -> tuple[KVPool, jax.Array]:
-    """Like `head_pass`, but only each row's last real token (query_lens - 1) goes past the
-    K/V write: one query row instead of T through attention, o_proj and the MLP (the rows
-    before it only need their K/V in the pool). `head_layer` has `qkv_and_residual` and
-    `finish`. -> (kv, hidden_out `[B, H]` of that row)."""
-    paged = PagedAttention(run, kv.tokens_per_block)
-    q, k, v, residual = head_layer.qkv_and_residual(target.embed_tokens(run.tokens), hidden,
-                                                    paged.positions)
-    kv = paged.write(k, v, layer, kv)
-    last = jnp.maximum(run.query_lens - 1, 0)
-    # The last row sees every earlier row of the run (just written) and itself.
-    row = run.replace(tokens=run.tokens[:, :1], start_pos=run.start_pos + last,
-                      query_lens=jnp.minimum(run.query_lens, 1))
-    out = PagedAttention(row, kv.tokens_per_block).read(_row(q, last)[:, None], layer, kv)
-    return kv, head_layer.finish(out, _row(residual, last)[:, None])[:, 0]
 
 
 def _make_pool(layers: int, num_kv_heads: int, head_dim: int, num_blocks: int,
@@ -120,6 +103,10 @@ class _ChainWorker:
         """`[B, H]` -> float32 logits over the target vocabulary `[B, V]`."""
         raise NotImplementedError
 
+    def _argmax(self, head, target, hidden_out: jax.Array) -> jax.Array:
+        """The greedy draft `[B]` (target ids) without materialising target-vocab logits."""
+        return jnp.argmax(self._logits(head, target, hidden_out), axis=-1).astype(jnp.int32)
+
     def _kv_shape(self) -> tuple[int, int]:
         raise NotImplementedError
 
@@ -128,13 +115,21 @@ class _ChainWorker:
         return _make_pool(1, *self._kv_shape(), num_blocks, tokens_per_block, dtype)
 
     def catch_up(self, params: dict, kv: KVPool, batch: StepBatch, target, captured: jax.Array,
-                 following: jax.Array) -> KVPool:
-        """Prompt chunks: write the drafter's K/V for the chunk's rows."""
+                 following: jax.Array, num_drafts: int = 0
+                 ) -> tuple[KVPool, jax.Array | None]:
+        """Prompt chunks: write the drafter's K/V for the chunk's rows and, given
+        `num_drafts`, draft that many tokens after each row's sampled token, so the first
+        generation step already verifies drafts. -> (kv, drafts `[B, num_drafts]` or None).
+        Not under rejection sampling: those drafts would need their distributions kept."""
+        tokens = shift_in(batch.tokens, batch.query_lens, following)
+        if num_drafts and not self.rejection_sampling:
+            kv, drafts, _ = self.draft(params, kv, batch, target, captured, tokens,
+                                       batch.query_lens, num_drafts)
+            return kv, drafts
         head = nnx.merge(self.graphdef, params)
-        run = batch.replace(tokens=shift_in(batch.tokens, batch.query_lens, following))
-        kv, _ = head_pass(self._run_fn(head), kv, 0, run, target,
+        kv, _ = head_pass(self._run_fn(head), kv, 0, batch.replace(tokens=tokens), target,
                           self._first_hidden(head, captured))
-        return kv
+        return kv, None
 
     def draft(self, params: dict, kv: KVPool, batch: StepBatch, target, captured: jax.Array,
               new_tokens: jax.Array, new_lens: jax.Array, num_drafts: int
@@ -144,36 +139,67 @@ class _ChainWorker:
         captured `[C, B, D+1, H]`, new_tokens `[B, D+1]`, new_lens `[B]` -> (kv, drafts
         `[B, num_drafts]`, their distributions `[B, num_drafts, V]` or None)."""
         head = nnx.merge(self.graphdef, params)
-        run_fn = self._run_fn(head)
+        layer = self._layer(head)
         lens = jnp.where(batch.query_lens > 0, new_lens, 0)
-        kv, h = head_pass_last_row(self._layer(head), kv, 0,
-                                   batch.replace(tokens=new_tokens, query_lens=lens), target,
-                                   self._first_hidden(head, captured))
+        run = batch.replace(tokens=new_tokens, query_lens=lens)
+        paged = PagedAttention(run, kv.tokens_per_block)
+        q, k, v, residual = layer.qkv_and_residual(target.embed_tokens(new_tokens),
+                                                   self._first_hidden(head, captured),
+                                                   paged.positions)
+        kv = paged.write(k, v, 0, kv)  # the accepted rows: the next step's context
         B = new_tokens.shape[0]
         if num_drafts == 0:
             return kv, jnp.zeros((B, 0), jnp.int32), None
         newest = batch.start_pos + new_lens  # the newest token's position
-        live = (lens > 0).astype(jnp.int32)
+        last = jnp.maximum(lens - 1, 0)
 
         def propose(hidden_out, k):  # draft k (0-based) lands at newest + 1 + k
+            if not self.rejection_sampling:
+                return self._argmax(head, target, hidden_out), None
             return draft_tokens_and_probs(self._logits(head, target, hidden_out), batch,
-                                          newest + 1 + k, self.rejection_sampling)
+                                          newest + 1 + k, True)
 
-        first, first_probs = propose(h, 0)
-
-        # Unrolled (D is static): on XLA:CPU a scan's loop overhead and carried pool cost
-        # more than these few single-row passes.
+        # The row of the last accepted token and every chain row attend to the same pool
+        # context: gather it once, and keep the chain rows' K/V local -- the next step's
+        # catch-up rewrites those positions before anything reads them.
+        keys, values, key_pos, key_valid = _gather_context(kv, batch.block_tables,
+                                                           batch.start_pos + lens)
+        pos = (batch.start_pos + last)[:, None]
+        out = dense_attention(_row(q, last)[:, None], keys, values, pos, key_pos,
+                              k_valid=key_valid)
+        h = layer.finish(out, _row(residual, last)[:, None])
+        first, first_probs = propose(h[:, 0], 0)
+        # Unrolled (D is static): on XLA:CPU a scan's loop overhead costs more than these
+        # few single-row passes.
         drafts, probs, token = [first], [first_probs], first
+        live = (lens > 0)[:, None]
         for k in range(1, num_drafts):
-            row = batch.replace(tokens=token[:, None], start_pos=newest + k - 1,
-                                query_lens=live)
-            kv, out = head_pass(run_fn, kv, 0, row, target, h[:, None])
-            h = out[:, 0]
-            token, p = propose(h, k)
+            pos = (newest + k - 1)[:, None]
+            q, k_row, v_row, residual = layer.qkv_and_residual(
+                target.embed_tokens(token[:, None]), h, pos)
+            keys = jnp.concatenate([keys, k_row.astype(keys.dtype)], axis=1)
+            values = jnp.concatenate([values, v_row.astype(values.dtype)], axis=1)
+            key_pos = jnp.concatenate([key_pos, pos], axis=1)
+            key_valid = jnp.concatenate([key_valid, live], axis=1)
+            out = dense_attention(q, keys, values, pos, key_pos, k_valid=key_valid)
+            h = layer.finish(out.astype(q.dtype), residual)
+            token, p = propose(h[:, 0], k)
             drafts.append(token)
             probs.append(p)
         return kv, jnp.stack(drafts, axis=1), (None if first_probs is None
                                                else jnp.stack(probs, axis=1))
+
+
+def _gather_context(kv: KVPool, block_tables: jax.Array, context_lens: jax.Array):
+    """Pool layer 0 of each row's blocks as dense `[B, M * bs, kv, hd]` keys and values, with
+    their positions `[B, M * bs]` and validity (position < context_lens) -- what paged
+    attention reads, gathered once for several queries."""
+    B, M = block_tables.shape
+    bs = kv.tokens_per_block
+    keys = kv.k[0, block_tables].reshape(B, M * bs, *kv.k.shape[3:])
+    values = kv.v[0, block_tables].reshape(B, M * bs, *kv.v.shape[3:])
+    positions = jnp.broadcast_to(jnp.arange(M * bs), (B, M * bs))
+    return keys, values, positions, positions < context_lens[:, None]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,6 +217,10 @@ class Eagle3Worker(_ChainWorker):
 
     def _logits(self, head, target, hidden_out):
         return head.to_target_vocab(head.logits(hidden_out), -jnp.inf)
+
+    def _argmax(self, head, target, hidden_out):
+        draft_ids = jnp.argmax(head.logits(hidden_out), axis=-1).astype(jnp.int32)
+        return head.to_target_ids(draft_ids)
 
     def _kv_shape(self):
         return self.head_config.num_kv_heads, self.head_config.head_dim
@@ -257,13 +287,14 @@ class MTPWorker:
         return kv, stacked, jnp.stack(probs, axis=1)
 
     def catch_up(self, params: dict, kv: KVPool, batch: StepBatch, target, captured: jax.Array,
-                 following: jax.Array) -> KVPool:
+                 following: jax.Array, num_drafts: int = 0
+                 ) -> tuple[KVPool, jax.Array | None]:
         head = nnx.merge(self.graphdef, params)
         run = batch.replace(tokens=shift_in(batch.tokens, batch.query_lens, following))
         # Module s > 0 reads tokens past the chunk: its own drafts stand in for them.
         kv, _, _ = self._modules_pass(head, kv, run, target, captured[0], self.num_modules,
                                       False, None)
-        return kv
+        return kv, None
 
     def draft(self, params: dict, kv: KVPool, batch: StepBatch, target, captured: jax.Array,
               new_tokens: jax.Array, new_lens: jax.Array, num_drafts: int

@@ -7,7 +7,6 @@ export in the public EAGLE-3 layout."""
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 from specjax.speculative.config import default_eagle3_layers
@@ -33,12 +32,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def export(out: Path, head, target, spec: heads.HeadSpec, log: dict) -> None:
+    # config.json records the capture layers (eagle_config.eagle_aux_hidden_state_layer_ids,
+    # as public EAGLE-3 configs do): EagleConfig uses them unless told otherwise.
+    assert head.config.aux_hidden_state_layers == tuple(spec.capture_layers)
     save_eagle3_head(head, out, dtype="float32")
-    config_path = out / "config.json"
-    config = json.loads(config_path.read_text())
-    # Records the capture layers (the key public EAGLE-3 configs use); readers ignore it.
-    config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(spec.capture_layers)}
-    config_path.write_text(json.dumps(config, indent=2) + "\n")
     log["save_dtype"] = "float32"
 
 

@@ -170,7 +170,8 @@ def new_head(spec: HeadSpec, target: Llama, seed: int, counts: np.ndarray | None
             module.final_norm[...] = jnp.array(final_norm, copy=True)
             module.eh_proj[...] = module.eh_proj[...].at[H:].add(eye)
         return heads
-    config = Eagle3HeadConfig.for_target(target.config, draft_vocab_size=spec.draft_vocab)
+    config = Eagle3HeadConfig.for_target(target.config, draft_vocab_size=spec.draft_vocab,
+                                         aux_hidden_state_layers=spec.capture_layers)
     head = Eagle3Head(config, rngs=rngs)
     head.fc[...] = head.fc[...].at[2 * H:].add(eye)
     if spec.draft_vocab < target.config.vocab_size:

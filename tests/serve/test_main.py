@@ -21,15 +21,13 @@ from specjax.models.registry import BUNDLED_TARGET, CHECKPOINTS_DIR
 from specjax.serve import __main__ as cli
 from specjax.serve.defaults import (default_speculative_config, parse_speculative_config,
                                     served_model_name)
-from specjax.speculative.config import DraftTargetConfig, NGramConfig
+from specjax.speculative.config import EagleConfig, NGramConfig
 
 
-def test_default_speculation_is_draft_target_for_the_bundled_model(tmp_path):
-    if not (CHECKPOINTS_DIR / "stdlib-draft" / "config.json").exists():
-        pytest.skip("the bundled draft model is not in this checkout")
+def test_default_speculation_is_eagle3_for_the_bundled_model(tmp_path):
     spec = default_speculative_config("bundled")
-    assert isinstance(spec, DraftTargetConfig) and spec.max_draft_len == 4
-    assert spec.speculative_model == str(CHECKPOINTS_DIR / "stdlib-draft")
+    assert isinstance(spec, EagleConfig) and spec.max_draft_len == 4
+    assert spec.speculative_model == str(CHECKPOINTS_DIR / "stdlib-eagle3")
     assert default_speculative_config(tmp_path) is None
     assert parse_speculative_config(None, "bundled") == spec
     assert parse_speculative_config("none", "bundled") is None

@@ -2,7 +2,8 @@
 import pytest
 
 import specjax
-from specjax import DraftTargetConfig, NGramConfig, SamplingParams, UserProvidedConfig
+from specjax import (DraftTargetConfig, EagleConfig, MTPConfig, NGramConfig, SamplingParams,
+                     UserProvidedConfig)
 from specjax.models.registry import CHECKPOINTS_DIR
 
 PROMPTS = ["def fibonacci(n):", "import os\n\n\ndef read_config(path):\n", "class Stack:\n"]
@@ -26,6 +27,12 @@ def plain():
     NGramConfig(max_draft_len=4, max_matching_ngram_size=3),
     UserProvidedConfig(max_draft_len=3, drafter=Repeat()),
     DraftTargetConfig(max_draft_len=4, speculative_model=str(CHECKPOINTS_DIR / "stdlib-draft")),
+    EagleConfig(max_draft_len=4, speculative_model=str(CHECKPOINTS_DIR / "stdlib-eagle3")),
+    MTPConfig(max_draft_len=3, num_nextn_predict_layers=3, use_mtp_vanilla=True,
+              speculative_model=str(CHECKPOINTS_DIR / "stdlib-mtp")),
+    # MTP-Eagle: the shipped first module reused for every draft step.
+    MTPConfig(max_draft_len=3, num_nextn_predict_layers=1,
+              speculative_model=str(CHECKPOINTS_DIR / "stdlib-mtp")),
 ], ids=lambda c: c.mode.name)
 def test_bundled_greedy_equivalence(plain, config):
     llm = specjax.LLM("bundled", speculative_config=config, **SIZES)

@@ -143,7 +143,9 @@ def test_mtp_acceptance_is_exactly_the_oracle_count(perm_target, refs, mode):
     accepted = drafted = 0
     for prompt in PROMPTS:
         ref = refs[tuple(prompt)]
-        generated, first = 1, True  # the prompt step emits one token and drafts nothing
+        # The prompt step emits one token; chain drafters (MTP-Eagle) also draft after it,
+        # vanilla MTP starts drafting with the first generation step.
+        generated, first = 1, mode == "mtp"
         while generated < MAX_TOKENS:
             room = MAX_TOKENS - generated - 1  # a step may not pass max_tokens
             d = 0 if first else min(D, room)
@@ -283,3 +285,18 @@ def test_save_hidden_states_writes_the_target_residual_streams(perm_target, refs
         np.testing.assert_allclose(hidden, np.asarray(captured[:, 0]).transpose(1, 0, 2),
                                    rtol=2e-4, atol=2e-4)
     assert _full_pool(llm)
+
+
+def test_capture_layers_come_from_the_config_then_the_head_then_the_default(perm_target):
+    target, perm = perm_target
+    head = eagle_head(target, perm)
+    trained_on = Eagle3Head(head.config.replace(aux_hidden_state_layers=(2, 5, 7)), nnx.Rngs(3))
+    assert Eagle3HeadConfig.from_hf_dict(trained_on.config.to_hf_dict()) == trained_on.config
+    layers = lambda h, **kw: _llm(target, EagleConfig(max_draft_len=2, speculative_model=h, **kw),
+                                  warmup=False).engine.worker.capture_layers
+    assert layers(head) == LAYERS                      # nothing recorded: (1, L//2-1, L-4)
+    assert layers(trained_on) == (2, 5, 7)             # what the head was trained on
+    assert layers(trained_on, eagle3_layers_to_capture=(0, 1, 2)) == (0, 1, 2)
+    too_deep = Eagle3Head(head.config.replace(aux_hidden_state_layers=(2, 5, 9)), nnx.Rngs(3))
+    with pytest.raises(ValueError, match=r"eagle_aux_hidden_state_layer_ids .*\[9\] outside"):
+        layers(too_deep)
