@@ -1,4 +1,7 @@
 """Shared tiny models and warmed-up engines: compile once per session, not once per test."""
+import gc
+
+import jax
 import pytest
 from flax import nnx
 
@@ -7,6 +10,20 @@ from specjax.models import Llama, ModelConfig
 TINY = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
                    num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=128,
                    eos_token_id=None)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """Drop every compiled program after each test module. One pytest process compiles
+    thousands of XLA:CPU executables; kept alive, their JIT code mappings grow until XLA aborts
+    mid-compile (seen on the 2-core CI machine). Session fixtures recompile on next use."""
+    yield
+    from specjax.engine.step import make_step
+    from specjax.speculative.step import make_spec_step
+    make_step.cache_clear()
+    make_spec_step.cache_clear()
+    jax.clear_caches()
+    gc.collect()
 
 
 @pytest.fixture(scope="session")
