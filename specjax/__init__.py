@@ -1,27 +1,29 @@
 """specjax: speculative decoding for LLMs in JAX/XLA.
 
-Data flow: `LLM` (request API) -> `engine.Engine` (host loop: slots, KV blocks, batching) ->
-`engine.step` (one pure jitted step) -> `pallas_kernels` (kernels + jnp references) -> results.
+Data flow, one way: `LLM` (request API) -> `engine.Engine` (host loop: scheduler, executor,
+bookkeeper, output processor) -> `speculative` (modes, configs, drafters, workers) -> `core`
+(the jitted steps: the public step API) -> `models`, `pallas_kernels` -> results.
+See ARCHITECTURE.md for where each mechanism lives.
 """
 from specjax.engine.engine import Engine, EngineConfig
 from specjax.engine.request import RequestOutput, RequestStats
 from specjax.llm import LLM
+from specjax.models import (Eagle3Head, Eagle3HeadConfig, MTPHeads, load_eagle3_head,
+                            save_eagle3_head)
 from specjax.sampling_params import SamplingParams
+from specjax.speculative.build import (Speculation, build_speculation, get_spec_drafter,
+                                       get_spec_worker, load_draft_model)
 from specjax.speculative.config import (DraftTargetConfig, EagleConfig, MTPConfig, NGramConfig,
                                         SaveHiddenStatesConfig, SpeculativeConfig,
                                         UserProvidedConfig)
-from specjax.speculative.eagle3_checkpoint import load_eagle3_head, save_eagle3_head
-from specjax.speculative.eagle3_head import Eagle3Head, Eagle3HeadConfig
-from specjax.speculative.mtp_head import MTPHeads
 from specjax.speculative.drafters import Drafter, NGramDrafter
-from specjax.speculative.factory import get_spec_drafter, get_spec_worker, load_draft_model
 from specjax.speculative.modes import SpeculativeDecodingMode
 from specjax.speculative.schedule import SpeculationGate, get_draft_len_for_batch_size
 
 __all__ = ["DraftTargetConfig", "Drafter", "Eagle3Head", "Eagle3HeadConfig", "EagleConfig",
            "Engine", "EngineConfig", "LLM", "MTPConfig", "MTPHeads", "NGramConfig",
            "NGramDrafter", "RequestOutput", "RequestStats", "SamplingParams",
-           "SaveHiddenStatesConfig", "SpeculationGate", "SpeculativeConfig",
-           "SpeculativeDecodingMode", "UserProvidedConfig", "get_draft_len_for_batch_size",
-           "get_spec_drafter", "get_spec_worker", "load_draft_model", "load_eagle3_head",
-           "save_eagle3_head"]
+           "SaveHiddenStatesConfig", "Speculation", "SpeculationGate", "SpeculativeConfig",
+           "SpeculativeDecodingMode", "UserProvidedConfig", "build_speculation",
+           "get_draft_len_for_batch_size", "get_spec_drafter", "get_spec_worker",
+           "load_draft_model", "load_eagle3_head", "save_eagle3_head"]

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from specjax.llm import LLM
 from specjax.sampling_params import SamplingParams
-from specjax.serve.defaults import parse_speculative_config
+from specjax.speculative.defaults import parse_speculative_config
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -12,7 +12,6 @@ from specjax.models import Llama, load_hf_checkpoint
 from specjax.models.registry import resolve_model_path
 from specjax.sampling_params import SamplingParams
 from specjax.speculative.config import SpeculativeConfig
-from specjax.speculative.factory import load_draft_model
 from specjax.tokenizer import Tokenizer
 
 Prompt = str | Sequence[int]
@@ -45,14 +44,9 @@ class LLM:
                 tokenizer = Tokenizer.from_folder(self.model_path)
         self.model = model
         self.tokenizer = tokenizer
-        if speculative_config is not None and not isinstance(speculative_config, SpeculativeConfig):
-            raise ValueError(f"speculative_config must be a SpeculativeConfig (e.g. "
-                             f"specjax.NGramConfig), got {type(speculative_config).__name__}")
-        draft_model = None  # the draft model or head that in-step drafters run
-        if speculative_config is not None:
-            draft_model = load_draft_model(speculative_config, model, dtype)
+        # Speculation (drafter modules included) is built and checked by the engine.
         self.engine = Engine(model, tokenizer, config, seed=seed,
-                             speculative_config=speculative_config, draft_model=draft_model)
+                             speculative_config=speculative_config)
         if warmup:
             self.engine.warmup(progress=progress)
 

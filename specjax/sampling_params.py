@@ -10,7 +10,7 @@ from specjax.validation import check_sampling_fields
 class SamplingParams:
     """How to pick and when to stop. `temperature=0` (the default) is greedy decoding.
 
-    Filtering order (see `specjax.engine.sampling.filter_logits`): temperature, top-k,
+    Filtering order (see `specjax.core.sampling.filter_logits`): temperature, top-k,
     top-p on the top-k-renormalised distribution, then min-p relative to the top token.
     """
 

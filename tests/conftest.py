@@ -18,10 +18,9 @@ def _release_compiled_programs():
     thousands of XLA:CPU executables; kept alive, their JIT code mappings grow until XLA aborts
     mid-compile (seen on the 2-core CI machine). Session fixtures recompile on next use."""
     yield
-    from specjax.engine.step import make_step
-    from specjax.speculative.step import make_spec_step
-    make_step.cache_clear()
-    make_spec_step.cache_clear()
+    from specjax.core.steps import make_generation_step, make_prefill_step
+    make_prefill_step.cache_clear()
+    make_generation_step.cache_clear()
     jax.clear_caches()
     gc.collect()
 

@@ -18,6 +18,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from specjax.bench.timing import time_generation_step
 from specjax.llm import LLM
 from specjax.models import Llama, ModelConfig, save_hf_checkpoint
 from specjax.models.registry import resolve_model_path
@@ -37,30 +38,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt-len", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3, help="timed runs; the best is kept")
     parser.add_argument("--no-hf", action="store_true", help="skip transformers")
-
-
-def _compiled_step_time(llm: LLM, batch_size: int, start_pos: int, iters: int = 30) -> float:
-    """Seconds per back-to-back call of the compiled generation step (D = 0) at a typical
-    position."""
-    engine = llm.engine
-    bucket = next(b for b in engine.decode_buckets if b >= batch_size)
-    batch = engine._empty_batch(bucket, 1, as_numpy=True)
-    batch["query_lens"][:batch_size] = 1
-    batch["start_pos"][:batch_size] = start_pos
-    blocks = -(-(start_pos + 1) // engine.config.tokens_per_block)
-    for i in range(batch_size):  # real-looking block tables; garbage content is fine for timing
-        batch["block_tables"][i, :blocks] = 1 + (i * blocks + np.arange(blocks)) % (
-            engine.allocator.total_blocks)
-    from specjax.engine.batch import StepBatch
-    batch = StepBatch(**batch)
-    for _ in range(3):
-        engine.kv, out = engine._spec_step(engine.params, engine.kv, batch)
-    jax.block_until_ready(out.new_tokens)
-    start = time.perf_counter()
-    for _ in range(iters):
-        engine.kv, out = engine._spec_step(engine.params, engine.kv, batch)
-    jax.block_until_ready(out.new_tokens)
-    return (time.perf_counter() - start) / iters
 
 
 _HF = {}
@@ -125,8 +102,8 @@ def run(args: argparse.Namespace) -> None:
                     start = time.perf_counter()
                     mine = [o.token_ids for o in llm.generate(prompts, params)]
                     t_sj = min(t_sj, time.perf_counter() - start)
-                    compiled = min(compiled, _compiled_step_time(
-                        llm, bsz, args.prompt_len + args.max_tokens // 2))
+                    compiled = min(compiled, time_generation_step(
+                        llm.engine, bsz, 1, args.prompt_len + args.max_tokens // 2, iters=30))
                     if not args.no_hf:
                         time.sleep(0.3)  # let the other side's idle threads go to sleep
                         hf_time, ref = pool.apply(_hf_generate, (prompts, args.max_tokens))

@@ -18,8 +18,8 @@ from specjax.llm import LLM
 from specjax.models.registry import BUNDLED_TARGET, CHECKPOINTS_DIR
 from specjax.sampling_params import SamplingParams
 from specjax.speculative.config import DraftTargetConfig
+from specjax.speculative.defaults import BUNDLED_DRAFT
 
-BUNDLED_DRAFT = "stdlib-draft"
 PROMPT = "def fibonacci(n):"
 Z_1E4 = 3.719  # standard normal quantile for alpha = 1e-4
 

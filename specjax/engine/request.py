@@ -83,6 +83,16 @@ class Request:
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
 
+    def token_at(self, index: int) -> int:
+        """Token `index` of prompt + output, without building the whole list."""
+        P = len(self.prompt_ids)
+        return self.prompt_ids[index] if index < P else self.output_ids[index - P]
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        """Tokens start .. end-1 of prompt + output."""
+        P = len(self.prompt_ids)
+        return self.prompt_ids[start:min(end, P)] + self.output_ids[max(start - P, 0):max(end - P, 0)]
+
     @property
     def last_token(self) -> int:
         return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from pallas_kernels.paged_attention.reference import NO_WINDOW, dense_attention
 from specjax.models.config import ModelConfig
 from specjax.models.rope import apply_rope, rope_tables
 
@@ -26,8 +27,9 @@ from specjax.models.rope import apply_rope, rope_tables
 # (out [B,T,H,hd], new state). `state` (e.g. the paged KV pool) is carried through the layer
 # loop rather than scanned over, so XLA updates it in place.
 AttendFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, Any], tuple[jax.Array, Any]]
+# A drafter head's one layer: the same without the layer index.
+HeadAttendFn = Callable[[jax.Array, jax.Array, jax.Array, Any], tuple[jax.Array, Any]]
 
-NO_WINDOW = 2**30  # stands for "no sliding window" inside the traced per-layer window array
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -35,6 +37,12 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     x32 = x.astype(jnp.float32)
     x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
     return weight * x32.astype(x.dtype)
+
+
+def layer_windows(config: ModelConfig) -> jax.Array:
+    """`[L]` int32: each layer's sliding window, NO_WINDOW for full attention."""
+    return jnp.asarray([w or NO_WINDOW for w in (config.sliding_windows
+                                                  or (None,) * config.num_layers)], jnp.int32)
 
 
 def layer_param_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -166,8 +174,7 @@ class Llama(nnx.Module):
         _check_capture_layers(self.config, capture_layers)
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
-        windows = jnp.asarray([w or NO_WINDOW for w in (self.config.sliding_windows
-                                                         or (None,) * self.config.num_layers)])
+        windows = layer_windows(self.config)
         attend = lambda q, k, v, layer, state: (
             dense_attention(q, k, v, positions, positions, windows[layer]), state)
         x, captured, _ = self.run_layers(self.embed_tokens(tokens), positions, attend, None,
@@ -231,33 +238,3 @@ def decoder_layer(cfg: ModelConfig, lp: dict[str, jax.Array], x: jax.Array, cos:
     q, k, v = layer_qkv(cfg, lp, x, cos, sin)
     attn, state = attend(q, k, v, state)
     return layer_finish(cfg, lp, attn, x), state
-
-
-def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax.Array,
-                    k_positions: jax.Array, window: jax.Array | int = NO_WINDOW,
-                    k_valid: jax.Array | None = None) -> jax.Array:
-    """Grouped-query attention with a causal (and optional sliding-window) mask on positions.
-
-    q `[B, T, H, hd]`, k/v `[B, S, KV, hd]`, q_positions `[B, T]`, k_positions `[B, S]`,
-    k_valid `[B, S]` bool (optional) -> `[B, T, H, hd]`. Softmax runs in float32.
-    """
-    B, T, H, hd = q.shape
-    KV = k.shape[2]
-    G = H // KV
-    # Heads-major operands make both products plain batched matmuls [B, KV] x [T*G, S]: on
-    # XLA:CPU markedly faster than a five-index einsum, and the same on GPU.
-    qh = q.reshape(B, T, KV, G, hd).transpose(0, 2, 1, 3, 4).reshape(B, KV, T * G, hd)
-    kh, vh = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, KV, S, hd]
-    scores = jnp.matmul(qh, kh.swapaxes(-1, -2)).astype(jnp.float32) * (hd ** -0.5)
-    distance = jnp.repeat(q_positions, G, axis=1)[:, :, None] - k_positions[:, None, :]
-    mask = (distance >= 0) & (distance < window)  # [B, T*G, S], t-major like qh
-    if k_valid is not None:
-        mask = mask & k_valid[:, None, :]
-    mask = mask[:, None]
-    scores = jnp.where(mask, scores, -jnp.inf)
-    top = jnp.max(scores, axis=-1, keepdims=True)
-    probs = jnp.where(mask, jnp.exp(scores - jnp.where(jnp.isfinite(top), top, 0.0)), 0.0)
-    # Rows with no visible key get zeros, not NaN.
-    probs = probs / jnp.maximum(jnp.sum(probs, axis=-1, keepdims=True), 1e-30)
-    out = jnp.matmul(probs.astype(v.dtype), vh)  # [B, KV, T*G, hd]
-    return out.reshape(B, KV, T, G, hd).transpose(0, 2, 1, 3, 4).reshape(B, T, H, hd)

@@ -13,7 +13,7 @@ import threading
 import time
 from typing import Callable
 
-from specjax.engine.engine import Engine
+from specjax.engine.engine import Engine, EngineSnapshot
 from specjax.engine.request import RequestOutput
 from specjax.sampling_params import SamplingParams
 
@@ -53,22 +53,6 @@ class Submission:
     request_id: int | None = None     # the engine's id, set by the engine thread
     cancelled: bool = False
     submit_time: float = dataclasses.field(default_factory=time.perf_counter)
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineSnapshot:
-    """What metrics and health read, published by the engine thread after every iteration so
-    no other thread reads the engine's mutable state."""
-
-    running: int = 0
-    waiting: int = 0                  # in the engine's queue plus handed over, not yet added
-    kv_blocks_free: int = 0
-    kv_blocks_total: int = 0
-    num_steps: int = 0
-    num_generated_tokens: int = 0
-    acceptance_length: float | None = None
-    acceptance_rate: float | None = None
-    draft_overhead: float | None = None
 
 
 class EngineThread:
@@ -163,8 +147,6 @@ class EngineThread:
                     self._finished(sub, None)
             if engine.has_unfinished():
                 self._step()
-            with self._cond:
-                self._engine_waiting = len(engine.waiting)
             self._publish()
         self._publish()
 
@@ -204,7 +186,7 @@ class EngineThread:
         """After a failed step, end every request that was in the batch; waiting ones hold no
         device state and carry on -- unless nothing was running, when the failure must have
         come from them (admission), and retrying them would fail forever."""
-        failed = {r.request_id for r in self.engine.running} & set(self._live)
+        failed = set(self.engine.snapshot().running_ids) & set(self._live)
         for request_id in sorted(failed or self._live):
             sub = self._live.pop(request_id)
             try:
@@ -230,14 +212,10 @@ class EngineThread:
                 log.exception("on_finished hook failed")
 
     def _publish(self) -> None:
-        engine, stats = self.engine, self.engine.stats
+        """Take the engine's snapshot on this thread; other threads read only the copy (with
+        the requests handed over but not yet added counted as waiting)."""
+        snap = self.engine.snapshot()
         with self._cond:
+            self._engine_waiting = snap.waiting
             inbox = len(self._inbox)
-        self.snapshot = EngineSnapshot(
-            running=len(engine.running), waiting=len(engine.waiting) + inbox,
-            kv_blocks_free=engine.allocator.num_free_blocks,
-            kv_blocks_total=engine.allocator.total_blocks, num_steps=engine.num_steps,
-            num_generated_tokens=stats.num_generated_tokens,
-            acceptance_length=stats.acceptance_length, acceptance_rate=stats.acceptance_rate,
-            draft_overhead=stats.draft_overhead)
-
+        self.snapshot = dataclasses.replace(snap, waiting=snap.waiting + inbox)

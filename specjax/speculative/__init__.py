@@ -1,1 +1,3 @@
-"""Speculative decoding: modes and configs, host drafters, in-step workers, the spec step."""
+"""Speculation: modes and their predicates, configs, the draft-length schedule and the gate,
+host drafters (`drafters/`), in-step workers (`workers/`), and `build_speculation`, which turns
+a config into what the engine runs."""

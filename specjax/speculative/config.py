@@ -11,6 +11,9 @@ import json
 import os
 from typing import Any, ClassVar, Mapping
 
+from specjax.models.eagle3_head import Eagle3Head
+from specjax.models.mtp_head import MTPHeads
+from specjax.speculative.drafters import Drafter
 from specjax.speculative.modes import SpeculativeDecodingMode
 from specjax.speculative.schedule import validate_draft_len_schedule
 
@@ -143,7 +146,6 @@ class UserProvidedConfig(SpeculativeConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        from specjax.speculative.drafters import Drafter
         if isinstance(self.drafter, str):
             module, _, name = self.drafter.partition(":")
             try:
@@ -239,7 +241,7 @@ class EagleConfig(SpeculativeConfig):
     """EAGLE-3 in the one-model step: a head fed with target hidden states at three layers.
 
     `speculative_model`: a folder in the public EAGLE-3 layout (see
-    `specjax.speculative.eagle3_checkpoint`) or an `Eagle3Head`; None leaves the choice to the
+    `specjax.models.eagle3_checkpoint`) or an `Eagle3Head`; None leaves the choice to the
     factory. `eagle3_layers_to_capture`: 3 distinct ascending 0-based layer indices, or None for
     the default (1, L//2 - 1, L - 4) -- see `layers_to_capture`.
 
@@ -258,7 +260,6 @@ class EagleConfig(SpeculativeConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        from specjax.speculative.eagle3_head import Eagle3Head
         _model_field(self, (Eagle3Head,), "an Eagle3Head")
         if self.eagle3_layers_to_capture is not None:
             object.__setattr__(self, "eagle3_layers_to_capture", _layer_tuple(
@@ -341,7 +342,6 @@ class MTPConfig(SpeculativeConfig):
         _positive_int("num_nextn_predict_layers", self.num_nextn_predict_layers)
         if not isinstance(self.use_mtp_vanilla, bool):
             raise ValueError("use_mtp_vanilla must be a bool")
-        from specjax.speculative.mtp_head import MTPHeads
         _model_field(self, (MTPHeads,), "an MTPHeads")
         if (self.mode is SpeculativeDecodingMode.MTP
                 and self.max_draft_len > self.num_nextn_predict_layers):

@@ -1,4 +1,7 @@
-"""Speculative decoding modes. Behaviour is chosen by these predicates, never by name chains.
+"""Speculative decoding modes. Behaviour is chosen by these predicates, never by name chains;
+`specjax.speculative.build` says what each one drives. (TensorRT-LLM's `without_logits` and
+`is_parallel_draft` have nothing to drive here yet: no step returns logits to the host, and no
+parallel drafter is implemented.)
 
 The numeric values are part of the serialized config format: never renumber or reuse them
 (2, 4 and 8 are retired).
@@ -28,15 +31,13 @@ class SpeculativeDecodingMode(enum.IntEnum):
         return self in _ONE_ENGINE
 
     def needs_kv_cache_rewind(self) -> bool:
-        """Rejected draft positions must be returned to the KV pool."""
-        return self in _ONE_ENGINE or self is SpeculativeDecodingMode.NGRAM
+        """Rejected draft positions must be returned to the KV pool: every mode whose drafts
+        the target verifies in its pool (TensorRT-LLM leaves USER_PROVIDED out; specjax
+        verifies a user's drafts exactly like NGram's, so they need it too)."""
+        return self in _ONE_ENGINE or self.has_spec_drafter()
 
     def support_overlap_scheduler(self) -> bool:
         """The host may process step N while the device runs step N+1."""
-        return self in _ONE_ENGINE
-
-    def without_logits(self) -> bool:
-        """The target step need not return full logits to the host."""
         return self in _ONE_ENGINE
 
     def has_spec_decoder(self) -> bool:
@@ -46,11 +47,6 @@ class SpeculativeDecodingMode(enum.IntEnum):
     def has_spec_drafter(self) -> bool:
         """A host-side Drafter only proposes tokens; the target verifies them."""
         return self in (SpeculativeDecodingMode.NGRAM, SpeculativeDecodingMode.USER_PROVIDED)
-
-    def is_parallel_draft(self) -> bool:
-        """All D drafts come from one drafter pass."""
-        return self in (SpeculativeDecodingMode.PARD, SpeculativeDecodingMode.DFLASH,
-                        SpeculativeDecodingMode.DSPARK)
 
 
 _ONE_ENGINE = frozenset({

@@ -10,7 +10,7 @@ import argparse
 from pathlib import Path
 
 from specjax.speculative.config import default_eagle3_layers
-from specjax.speculative.eagle3_checkpoint import save_eagle3_head
+from specjax.models.eagle3_checkpoint import save_eagle3_head
 from specjax.train import heads
 
 

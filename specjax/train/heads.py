@@ -67,9 +67,9 @@ from tqdm import tqdm
 
 from specjax.engine.hidden_states import read_hidden_states
 from specjax.models import Llama, load_hf_checkpoint
-from specjax.models.llama import NO_WINDOW
-from specjax.speculative.eagle3_head import Eagle3Head, Eagle3HeadConfig
-from specjax.speculative.mtp_head import MTPHeads, target_lm_head
+from specjax.models.llama import layer_windows
+from specjax.models.eagle3_head import Eagle3Head, Eagle3HeadConfig
+from specjax.models.mtp_head import MTPHeads, target_lm_head
 from specjax.train import corpus, data
 from specjax.train import tokenizer_training as toks
 from specjax.train.export import compact_log
@@ -515,7 +515,7 @@ def greedy_chain_tokens(target: Llama, tokens: jax.Array, depth: int,
     mask = jnp.where(k_slot < 0, jnp.arange(S)[None, :] <= prefix_end[:, None],
                      (q_slot >= 0) & (anchor[:, None] == anchor[None, :]) & (k_slot <= q_slot))
     cfg = target.config
-    windows = jnp.asarray([w or NO_WINDOW for w in (cfg.sliding_windows or (None,) * cfg.num_layers)])
+    windows = layer_windows(cfg)
     distance = positions[:, None] - positions[None, :]
     pos_b = jnp.broadcast_to(positions, (B, S))
 
@@ -877,7 +877,7 @@ def write_model_card(out: Path, spec: HeadSpec, args: argparse.Namespace, log: d
         what = (f"{modules} for `{args.target.name}`, each a target-style decoder layer on "
                 "eh_proj(concat(enorm(embedding), hnorm(hidden))); the LM head is the target's")
         files = (f"`config.json` + `model.safetensors` in the specjax MTP layout "
-                 f"(`specjax.speculative.mtp_checkpoint`, {log['save_dtype']})")
+                 f"(`specjax.models.mtp_checkpoint`, {log['save_dtype']})")
         use = (f"MTPConfig(max_draft_len={spec.depth}, num_nextn_predict_layers="
                f"{spec.num_modules}, use_mtp_vanilla={spec.num_modules > 1}, "
                f"speculative_model=\"{out}\")")

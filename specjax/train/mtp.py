@@ -4,14 +4,14 @@
 module reused for every draft step, trained with the same training-time test as EAGLE-3).
 
 The training lives in `specjax.train.heads`; this module adds the MTP flags and the export
-(`specjax.speculative.mtp_checkpoint`, bfloat16 by default to stay well under 10 MB)."""
+(`specjax.models.mtp_checkpoint`, bfloat16 by default to stay well under 10 MB)."""
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
 
 from specjax.models.config import DTYPES
-from specjax.speculative.mtp_checkpoint import save_mtp_heads
+from specjax.models.mtp_checkpoint import save_mtp_heads
 from specjax.train import heads
 
 

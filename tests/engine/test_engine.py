@@ -165,7 +165,7 @@ def test_plain_overlap_on_and_off_agree(tiny_model, tiny_llm):
     engine.add_request(PROMPTS[0], mixed[0])
     engine.step()  # prefill
     engine.step()  # first generation step: dispatched, left unread
-    assert engine._inflight is not None
+    assert engine.executor.inflight is not None
     _drain(engine)
     sync = specjax.LLM(tiny_model, max_batch_size=4, tokens_per_block=4, prefill_chunk=8,
                        max_prefill_rows=2, num_kv_blocks=80, overlap_scheduler=False,

@@ -180,11 +180,6 @@ def test_public_name_inside_jit_like_the_engine_step():
                                    rtol=1e-5)
 
 
-def test_no_window_matches_specjax():
-    from specjax.models.llama import NO_WINDOW as SPECJAX_NO_WINDOW
-    assert NO_WINDOW == SPECJAX_NO_WINDOW
-
-
 def test_compiled_support_rules():
     assert compiled_supported((2, 8, 32, 128), (4, 100, 16, 8, 128))
     assert not compiled_supported((2, 8, 32, 8), (4, 100, 16, 8, 8))       # head_dim < 16

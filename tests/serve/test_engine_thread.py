@@ -8,8 +8,8 @@ import threading
 
 import pytest
 
+from specjax.engine.engine import EngineSnapshot
 from specjax.engine.request import RequestOutput, RequestStats
-from specjax.engine.stats import EngineStats
 from specjax.sampling_params import SamplingParams
 from specjax.serve.engine_thread import (EngineFailure, EngineStopped, EngineThread, QueueFull,
                                          Submission)
@@ -30,7 +30,6 @@ class FakeEngine:
         self.waiting: collections.deque = collections.deque()
         self.running: list = []
         self.allocator = FakeAllocator()
-        self.stats = EngineStats()
         self.num_steps = 0
         self.gate = threading.Event()       # a step waits for it (tests hold steps back)
         self.gate.set()
@@ -57,6 +56,13 @@ class FakeEngine:
             if r.request_id == rid:
                 self.running.remove(r)
                 self.allocator.num_free_blocks += 1
+
+    def snapshot(self):
+        return EngineSnapshot(
+            running=len(self.running), waiting=len(self.waiting),
+            running_ids=tuple(r.request_id for r in self.running),
+            kv_blocks_free=self.allocator.num_free_blocks,
+            kv_blocks_total=self.allocator.total_blocks, num_steps=self.num_steps)
 
     def step(self):
         self.num_steps += 1

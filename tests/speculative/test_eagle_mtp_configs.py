@@ -163,8 +163,8 @@ def test_path_like_model_is_stored_as_str():
 
 def test_model_instances_are_accepted_but_not_serialisable():
     from specjax.models import ModelConfig
-    from specjax.speculative.eagle3_head import Eagle3Head, Eagle3HeadConfig
-    from specjax.speculative.mtp_head import MTPHeads
+    from specjax.models.eagle3_head import Eagle3Head, Eagle3HeadConfig
+    from specjax.models.mtp_head import MTPHeads
     head = nnx.eval_shape(lambda: Eagle3Head(Eagle3HeadConfig(
         hidden_size=8, intermediate_size=8, num_heads=2, num_kv_heads=1, head_dim=4,
         vocab_size=10, draft_vocab_size=10), nnx.Rngs(0)))

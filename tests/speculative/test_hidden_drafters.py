@@ -18,8 +18,8 @@ from specjax.models import Llama
 from specjax.models.dense_greedy import dense_greedy
 from specjax.models.llama import dense_attention
 from specjax.speculative.config import EagleConfig, MTPConfig, SaveHiddenStatesConfig
-from specjax.speculative.eagle3_head import Eagle3Head, Eagle3HeadConfig
-from specjax.speculative.mtp_head import MTPHeads
+from specjax.models.eagle3_head import Eagle3Head, Eagle3HeadConfig
+from specjax.models.mtp_head import MTPHeads
 from tests.conftest import TINY
 
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21], [7],

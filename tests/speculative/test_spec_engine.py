@@ -238,7 +238,7 @@ def test_rejection_sampling_fails_closed_for_host_drafters(tiny_model, tiny_llm)
     """NGram drafts carry no distribution: with use_rejection_sampling the step keeps strict
     matching (decided by buffer shapes), so seeded sampling stays token-for-token plain."""
     llm = _llm(tiny_model, NGramConfig(max_draft_len=3, use_rejection_sampling=True))
-    assert llm.engine.kv["slots"].draft_probs is None
+    assert llm.engine.state.slots.draft_probs is None
     params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.7, seed=s) for s in range(3)]
     prompts = [PROMPTS[3], PROMPTS[4], PROMPTS[3]]
     assert ([o.token_ids for o in llm.generate(prompts, params)]
@@ -251,7 +251,7 @@ def test_rejection_sampling_draft_target_is_exact_for_greedy_and_frees_blocks(
     spec = DraftTargetConfig(max_draft_len=3, speculative_model=draft_model,
                              use_rejection_sampling=True)
     llm = _llm(tiny_model, spec)
-    assert llm.engine.kv["slots"].draft_probs is not None
+    assert llm.engine.state.slots.draft_probs is not None
     params = [SamplingParams(max_tokens=MAX_TOKENS),
               SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, top_p=0.9, seed=2),
               SamplingParams(max_tokens=MAX_TOKENS)]

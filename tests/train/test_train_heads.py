@@ -15,9 +15,9 @@ from flax import nnx
 from safetensors.numpy import save_file
 
 from specjax.models import Llama, ModelConfig, dense_attention, save_hf_checkpoint
-from specjax.speculative.eagle3_checkpoint import load_eagle3_head
-from specjax.speculative.mtp_checkpoint import load_mtp_heads
-from specjax.speculative.mtp_head import target_lm_head
+from specjax.models.eagle3_checkpoint import load_eagle3_head
+from specjax.models.mtp_checkpoint import load_mtp_heads
+from specjax.models.mtp_head import target_lm_head
 from specjax.train import corpus, heads
 from specjax.train import tokenizer_training as toks
 from specjax.train.__main__ import main

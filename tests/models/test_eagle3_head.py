@@ -13,8 +13,8 @@ from safetensors.numpy import save_file
 from specjax.models import CheckpointError, read_safetensors
 from specjax.models.llama import dense_attention
 from specjax.models.config import RopeScaling
-from specjax.speculative.eagle3_checkpoint import load_eagle3_head, save_eagle3_head
-from specjax.speculative.eagle3_head import Eagle3Head, Eagle3HeadConfig
+from specjax.models.eagle3_checkpoint import load_eagle3_head, save_eagle3_head
+from specjax.models.eagle3_head import Eagle3Head, Eagle3HeadConfig
 
 H, F, NH, KV, HD, V, VD = 16, 24, 4, 2, 4, 50, 20
 B, T = 2, 6
@@ -313,8 +313,8 @@ def test_split_methods_with_a_kv_cache_equal_the_dense_forward(public, inputs):
         attn = dense_attention(q1, jnp.concatenate([k, k1], 1), jnp.concatenate([v, v1], 1),
                                positions[:, P:], positions)
         last_out = head.finish(attn, res1)
-        # run_midlayer threads the attend callback's state through.
-        out, state = head.run_midlayer(
+        # run_layer threads the attend callback's state through.
+        out, state = head.run_layer(
             embeds, hidden, positions,
             lambda q, k, v, s: (dense_attention(q, k, v, positions, positions), s + 1), 0)
         return dict(dense_logits=dense_logits, dense_hidden=dense_hidden, hidden=hidden, q=q,

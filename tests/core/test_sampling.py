@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specjax.engine.sampling import filter_logits, sample, sampling_keys
+from specjax.core.sampling import filter_logits, sample, sampling_keys
 
 LOGITS = jnp.log(jnp.asarray([[0.4, 0.3, 0.15, 0.1, 0.05]]))
 

@@ -23,7 +23,7 @@ parameters: they are `VocabMap` variables, so `nnx.state(head, nnx.Param)` leave
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -31,11 +31,8 @@ from flax import nnx
 
 from specjax.models.config import (DTYPES, RopeScaling, check_attention_fields, rope_from_hf,
                                    rope_scaling_to_hf)
-from specjax.models.llama import dense_attention, rms_norm
+from specjax.models.llama import HeadAttendFn, dense_attention, rms_norm
 from specjax.models.rope import apply_rope, rope_tables
-
-# (q [B,T,heads,hd], k [B,T,kv,hd], v [B,T,kv,hd], state) -> (out [B,T,heads,hd], state)
-HeadAttendFn = Callable[[jax.Array, jax.Array, jax.Array, Any], tuple[jax.Array, Any]]
 
 NUM_CAPTURED = 3  # EAGLE-3 fuses three captured target layers
 
@@ -252,8 +249,8 @@ class Eagle3Head(nnx.Module):
         out = jnp.full((*values.shape[:-1], self.config.vocab_size), fill_value, values.dtype)
         return out.at[..., ids].set(values)
 
-    def run_midlayer(self, embeds: jax.Array, hidden: jax.Array, positions: jax.Array,
-                     attend: HeadAttendFn, state: Any = None) -> tuple[jax.Array, Any]:
+    def run_layer(self, embeds: jax.Array, hidden: jax.Array, positions: jax.Array,
+                  attend: HeadAttendFn, state: Any = None) -> tuple[jax.Array, Any]:
         """The midlayer with a pluggable `attend(q, k, v, state) -> (out, state)` (the paged
         KV pool in the engine): returns (hidden_out `[B, T, H]`, state)."""
         q, k, v, residual = self.qkv_and_residual(embeds, hidden, positions)
@@ -280,5 +277,5 @@ class Eagle3Head(nnx.Module):
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(hidden.shape[1]), hidden.shape[:2])
         attend = lambda q, k, v, state: (dense_attention(q, k, v, positions, positions), state)
-        hidden_out, _ = self.run_midlayer(embeds, hidden, positions, attend)
+        hidden_out, _ = self.run_layer(embeds, hidden, positions, attend)
         return self.logits(hidden_out), hidden_out

@@ -3,7 +3,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specjax.engine.kv_cache import BlockAllocator, OutOfBlocks
+from specjax.engine.allocator import BlockAllocator, OutOfBlocks
 
 OPS = st.lists(st.tuples(st.sampled_from(["allocate", "add", "rewind", "free"]),
                          st.integers(0, 5), st.integers(0, 40)), max_size=120)

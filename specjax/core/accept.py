@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.rejection_sampling import chain_speculative_sampling
-from specjax.engine.sampling import filter_logits, sample, sampling_keys
+from specjax.core.sampling import filter_logits, sample, sampling_keys
 
 
 def target_tokens(logits: jax.Array, start_pos: jax.Array, temperature: jax.Array,
@@ -42,37 +42,6 @@ def strict_accept(drafts: jax.Array, draft_lens: jax.Array,
     match = (drafts == targets[:, :D]) & (jnp.arange(D) < draft_lens[:, None])
     accepted = jnp.sum(jnp.cumprod(match.astype(jnp.int32), axis=1), axis=1)
     return targets, accepted + 1
-
-
-DRAFT_STREAM = 1  # drafts are drawn with the row's key for their position, folded with this
-
-
-def draft_tokens_and_probs(logits: jax.Array, batch, positions: jax.Array,
-                           with_probs: bool) -> tuple[jax.Array, jax.Array | None]:
-    """A drafter's next tokens `[B]` for `positions` `[B]`, and (`with_probs`) the filtered
-    distributions `[B, V]` they were drawn from.
-
-    Without probs every row drafts the argmax (the best guess for strict matching). With them,
-    sampled rows draw from the draft model's distribution filtered by the request's own
-    parameters -- the same function the target side uses -- as rejection sampling requires;
-    greedy rows still take the argmax.
-    """
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    if not with_probs:
-        return greedy, None
-
-    def draw():
-        filtered = filter_logits(logits, batch.temperature, batch.top_k, batch.top_p,
-                                 batch.min_p)
-        keys = jax.vmap(jax.random.fold_in, (0, None))(
-            sampling_keys(batch.seeds, positions), DRAFT_STREAM)
-        drawn = jax.vmap(jax.random.categorical)(keys, filtered).astype(jnp.int32)
-        return (jnp.where(batch.temperature > 0, drawn, greedy),
-                jax.nn.softmax(filtered, axis=-1))
-
-    # An all-greedy batch skips the sort; its (unused) probabilities are zeros.
-    return jax.lax.cond(jnp.any(batch.temperature > 0), draw,
-                        lambda: (greedy, jnp.zeros(logits.shape, jnp.float32)))
 
 
 def rejection_accept(logits: jax.Array, batch, drafts: jax.Array, draft_lens: jax.Array,

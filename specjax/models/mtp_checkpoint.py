@@ -31,9 +31,11 @@ from flax import nnx
 from safetensors.numpy import save_file
 
 from specjax.models.config import DTYPES, ModelConfig
-from specjax.models.hf_checkpoint import CheckpointError, read_safetensors, tensor_taker
+from specjax.models.checkpoint_io import (CheckpointError, checkpoint_folder, module_from_params,
+                                          read_config, read_safetensors, refuse_leftovers,
+                                          tensor_taker)
 from specjax.models.llama import layer_param_shapes
-from specjax.speculative.mtp_head import MTPHeads
+from specjax.models.mtp_head import MTPHeads
 
 ARCHITECTURE = "SpecjaxMTPHeads"
 WEIGHTS_NAME = "model.safetensors"
@@ -98,12 +100,8 @@ def load_mtp_heads(folder: str | os.PathLike, target_config: ModelConfig,
     """Load MTP heads saved by `save_mtp_heads` for a target with `target_config`. The weights
     are cast to `dtype` (default: the target's). Any config field or tensor that does not fit the
     target raises a `CheckpointError` (a ValueError) naming it."""
-    folder = Path(folder)
-    if not folder.is_dir():
-        raise FileNotFoundError(f"MTP head folder {str(folder)!r} does not exist")
-    if not (folder / "config.json").exists():
-        raise FileNotFoundError(f"{folder / 'config.json'} is missing")
-    hf = json.loads((folder / "config.json").read_text())
+    folder = checkpoint_folder(folder, "MTP head")
+    hf = read_config(folder)
     if ARCHITECTURE not in hf.get("architectures", []):
         raise CheckpointError(f"{folder / 'config.json'}: architectures {hf.get('architectures')} "
                               f"does not name {ARCHITECTURE}")
@@ -131,20 +129,12 @@ def load_mtp_heads(folder: str | os.PathLike, target_config: ModelConfig,
         module["block"] = {name[len("block."):]: value for name, value in flat.items()
                            if name.startswith("block.")}
         modules[k] = module
-    if tensors:
-        extra = sorted(tensors)
-        raise CheckpointError(f"the MTP heads in {folder} have tensors that "
+    refuse_leftovers(tensors, f"the MTP heads in {folder} have tensors that "
                               f"num_nextn_predict_layers={num_modules} and the target's layer "
-                              f"structure do not name: {', '.join(extra[:5])}"
-                              + (f" (+{len(extra) - 5} more)" if len(extra) > 5 else ""))
+                              "structure do not name")
     return heads_from_params(config, num_modules, {"modules": modules})
 
 
 def heads_from_params(config: ModelConfig, num_modules: int, params: dict) -> MTPHeads:
     """Build `MTPHeads` from a pure dict of arrays without random-initialising them."""
-    abstract = nnx.eval_shape(lambda: MTPHeads(config, num_modules, rngs=nnx.Rngs(0)))
-    graphdef, state = nnx.split(abstract)
-    to_jnp = lambda tree: ({k: to_jnp(v) for k, v in tree.items()} if isinstance(tree, dict)
-                           else jnp.asarray(tree))
-    nnx.replace_by_pure_dict(state, to_jnp(params))
-    return nnx.merge(graphdef, state)
+    return module_from_params(lambda: MTPHeads(config, num_modules, rngs=nnx.Rngs(0)), params)

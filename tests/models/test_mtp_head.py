@@ -10,7 +10,7 @@ from flax import nnx
 from specjax.models import Llama, ModelConfig
 from specjax.models.llama import decoder_layer, dense_attention, layer_param_shapes, rms_norm
 from specjax.models.rope import rope_tables
-from specjax.speculative.mtp_head import (MTPHeads, MTPModule, layer_finish, layer_qkv,
+from specjax.models.mtp_head import (MTPHeads, MTPModule, layer_finish, layer_qkv,
                                           target_lm_head)
 
 CONFIG = ModelConfig(vocab_size=40, hidden_size=16, intermediate_size=24, num_layers=2,
@@ -91,7 +91,7 @@ def test_split_pieces_with_a_kv_cache_equal_the_dense_forward(data):
         attn = dense_attention(q2, jnp.concatenate([k, k2], 1), jnp.concatenate([v, v2], 1),
                                positions[:, P:], positions)
         tail = module.finish(attn, res2)
-        out, state = module.run_block(embeds, hidden, positions, lambda q, k, v, s: (
+        out, state = module.run_layer(embeds, hidden, positions, lambda q, k, v, s: (
             dense_attention(q, k, v, positions, positions), s + 1), 0)
         return dict(dense_logits=dense_logits, dense_hidden=dense_hidden, res=res,
                     fused=module.fuse(embeds[:, :P], hidden[:, :P]), tail=tail,

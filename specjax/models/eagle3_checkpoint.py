@@ -35,9 +35,10 @@ import numpy as np
 from flax import nnx
 from safetensors.numpy import save_file
 
-from specjax.models.hf_checkpoint import (CheckpointError, checked_shape, read_safetensors,
-                                          tensor_taker)
-from specjax.speculative.eagle3_head import Eagle3Head, Eagle3HeadConfig, eagle3_param_shapes
+from specjax.models.checkpoint_io import (CheckpointError, checked_shape, checkpoint_folder,
+                                          module_from_params, read_config, read_safetensors,
+                                          refuse_leftovers, tensor_taker)
+from specjax.models.eagle3_head import Eagle3Head, Eagle3HeadConfig, eagle3_param_shapes
 
 # midlayer param -> (public name, transposed in the file?)
 MIDLAYER_NAMES = {
@@ -69,13 +70,8 @@ def _weights_present(folder: Path) -> None:
 
 def load_eagle3_head(folder: str | os.PathLike, dtype: str | None = None) -> Eagle3Head:
     """Load a public EAGLE-3 head folder. `dtype` overrides config.json's (e.g. "float32")."""
-    folder = Path(folder)
-    if not folder.is_dir():
-        raise FileNotFoundError(f"EAGLE-3 head folder {str(folder)!r} does not exist")
-    if not (folder / "config.json").exists():
-        raise FileNotFoundError(f"{folder / 'config.json'} is missing")
-    config = Eagle3HeadConfig.from_hf_dict(json.loads((folder / "config.json").read_text()),
-                                           dtype=dtype)
+    folder = checkpoint_folder(folder, "EAGLE-3 head")
+    config = Eagle3HeadConfig.from_hf_dict(read_config(folder), dtype=dtype)
     _weights_present(folder)
     tensors = read_safetensors(folder)
     np_dtype = jnp.dtype(config.dtype)
@@ -93,11 +89,8 @@ def load_eagle3_head(folder: str | os.PathLike, dtype: str | None = None) -> Eag
         name, transpose = MIDLAYER_NAMES[key]
         params["midlayer"][key] = take(name, shape, transpose)
     params["d2t"], params["t2d"] = _vocab_maps(tensors, config, folder)
-    unexpected = sorted(n for n in tensors if not _IGNORED.match(n))
-    if unexpected:
-        raise CheckpointError(f"EAGLE-3 head in {folder} has tensors the public layout does not "
-                              f"name: {', '.join(unexpected[:5])}"
-                              + (f" (+{len(unexpected) - 5} more)" if len(unexpected) > 5 else ""))
+    refuse_leftovers((n for n in tensors if not _IGNORED.match(n)),
+                     f"EAGLE-3 head in {folder} has tensors the public layout does not name")
     return head_from_params(config, params)
 
 
@@ -130,12 +123,7 @@ def _vocab_maps(tensors: dict, config: Eagle3HeadConfig, folder: Path
 
 def head_from_params(config: Eagle3HeadConfig, params: dict) -> Eagle3Head:
     """Build an `Eagle3Head` from a pure dict of arrays without random-initialising it."""
-    abstract = nnx.eval_shape(lambda: Eagle3Head(config, rngs=nnx.Rngs(0)))
-    graphdef, state = nnx.split(abstract)
-    pure = {k: ({n: jnp.asarray(a) for n, a in v.items()} if isinstance(v, dict) else jnp.asarray(v))
-            for k, v in params.items()}
-    nnx.replace_by_pure_dict(state, pure)
-    return nnx.merge(graphdef, state)
+    return module_from_params(lambda: Eagle3Head(config, rngs=nnx.Rngs(0)), params)
 
 
 def save_eagle3_head(head: Eagle3Head, folder: str | os.PathLike, dtype: str | None = None) -> None:

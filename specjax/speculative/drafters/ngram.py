@@ -1,27 +1,9 @@
-"""Host-side drafters (modes with `has_spec_drafter()`): they propose, the target verifies.
-
-The engine calls `propose_for(request_id, token_ids, max_draft_len)` for every generation
-request each step; proposals may be shorter than asked, or empty. The engine pads them to the
-compiled width and remembers the real length, which is what acceptance statistics count.
-"""
+"""TensorRT-LLM's n-gram drafter: continuations of recent n-grams, kept in a pool."""
 from __future__ import annotations
 
-import abc
 from typing import Sequence
 
-
-class Drafter(abc.ABC):
-    """Subclass and implement `propose` to plug any drafting method into specjax."""
-
-    @abc.abstractmethod
-    def propose(self, token_ids: Sequence[int], max_draft_len: int) -> list[int]:
-        """Return up to `max_draft_len` tokens predicted to follow `token_ids`."""
-
-    def propose_for(self, request_id: int, token_ids: Sequence[int], max_draft_len: int) -> list[int]:
-        return self.propose(token_ids, max_draft_len)
-
-    def on_request_finished(self, request_id: int) -> None:
-        """Drop per-request state; called once when a request finishes or is cancelled."""
+from specjax.speculative.drafters.base import Drafter
 
 
 class NGramDrafter(Drafter):

@@ -11,16 +11,17 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from specjax.engine.batch import StepBatch
-from specjax.engine.kv_cache import KVPool, make_kv_pool
-from specjax.engine.step import paged_forward
+from specjax.core.batch import StepBatch
+from specjax.core.forward import paged_forward
+from specjax.core.kv import KVPool, make_kv_pool
+from specjax.core.sampling import draft_tokens_and_probs
 from specjax.models.config import ModelConfig
-from specjax.speculative.accept import draft_tokens_and_probs
 
 
 @dataclasses.dataclass(frozen=True)
 class DraftTargetWorker:
-    """Static (hashable) description of the draft model; its params travel as traced args."""
+    """Static (hashable) description of the draft model; its params travel as traced args
+    (`Params.draft`). Implements `specjax.core.DraftWorker`."""
 
     graphdef: nnx.GraphDef
     config: ModelConfig                    # the draft model's (its KV pool's shape)
@@ -30,16 +31,18 @@ class DraftTargetWorker:
     rejection_sampling: bool = False
 
     def make_kv(self, num_blocks: int, tokens_per_block: int, dtype: str) -> KVPool:
-        return make_kv_pool(self.config, num_blocks, tokens_per_block, dtype)
+        cfg = self.config
+        return make_kv_pool(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_blocks,
+                            tokens_per_block, dtype)
 
-    def catch_up(self, params: dict, kv: KVPool, batch: StepBatch, target, captured,
+    def catch_up(self, params, kv: KVPool, batch: StepBatch, target, captured,
                  following, num_drafts: int = 0) -> tuple[KVPool, None]:
         """Write the draft model's K/V for the same runs the target just processed (drafting
         starts with the first generation step)."""
         kv, _, _ = paged_forward(nnx.merge(self.graphdef, params), kv, batch)
         return kv, None
 
-    def draft(self, params: dict, kv: KVPool, batch: StepBatch, target, captured,
+    def draft(self, params, kv: KVPool, batch: StepBatch, target, captured,
               new_tokens: jax.Array, new_lens: jax.Array, num_drafts: int
               ) -> tuple[KVPool, jax.Array, jax.Array | None]:
         """After acceptance: catch up over the verified window, then draft `num_drafts` tokens

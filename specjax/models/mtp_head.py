@@ -17,24 +17,21 @@ has them); attention is full causal (no sliding window). Each module owns its fi
 
 `MTPHeads` holds the modules: D of them for MTP (module k drafts token k) or a single one that
 MTP-Eagle reuses for every draft step. As in the EAGLE-3 head the attention is split out
-(`qkv_and_residual` / `finish`, or `run_block` with an `attend` callback) so the engine can run
+(`qkv_and_residual` / `finish`, or `run_layer` with an `attend` callback) so the engine can run
 it over its paged KV pool; `forward` is the dense reference for training and tests.
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from specjax.models.config import ModelConfig
-from specjax.models.llama import (Llama, dense_attention, layer_finish, layer_param_shapes,
-                                  layer_qkv, rms_norm)
+from specjax.models.llama import (HeadAttendFn, Llama, dense_attention, layer_finish,
+                                  layer_param_shapes, layer_qkv, rms_norm)
 from specjax.models.rope import rope_tables
-
-# (q [B,T,heads,hd], k [B,T,kv,hd], v [B,T,kv,hd], state) -> (out [B,T,heads,hd], state)
-HeadAttendFn = Callable[[jax.Array, jax.Array, jax.Array, Any], tuple[jax.Array, Any]]
 
 
 def target_lm_head(target: Llama) -> jax.Array:
@@ -107,7 +104,7 @@ class MTPModule(nnx.Module):
         h = rms_norm(hidden_out, self.final_norm[...], self.config.rms_norm_eps)
         return (h @ lm_head).astype(jnp.float32)
 
-    def run_block(self, embeds: jax.Array, hidden: jax.Array, positions: jax.Array,
+    def run_layer(self, embeds: jax.Array, hidden: jax.Array, positions: jax.Array,
                   attend: HeadAttendFn, state: Any = None) -> tuple[jax.Array, Any]:
         """The module up to hidden_out with a pluggable `attend(q, k, v, state) -> (out,
         state)` (the paged KV pool in the engine)."""
@@ -119,7 +116,7 @@ class MTPModule(nnx.Module):
                 positions: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
         """Dense causal forward: -> (logits `[B, T, vocab]` float32, hidden_out `[B, T, H]`)."""
         positions = _default_positions(hidden, positions)
-        hidden_out, _ = self.run_block(embeds, hidden, positions, _dense_attend(positions))
+        hidden_out, _ = self.run_layer(embeds, hidden, positions, _dense_attend(positions))
         return self.logits(hidden_out, lm_head), hidden_out
 
 

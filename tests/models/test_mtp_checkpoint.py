@@ -10,8 +10,8 @@ from flax import nnx
 from safetensors.numpy import load_file, save_file
 
 from specjax.models import CheckpointError, ModelConfig
-from specjax.speculative.mtp_checkpoint import load_mtp_heads, save_mtp_heads
-from specjax.speculative.mtp_head import MTPHeads
+from specjax.models.mtp_checkpoint import load_mtp_heads, save_mtp_heads
+from specjax.models.mtp_head import MTPHeads
 
 CONFIG = ModelConfig(vocab_size=40, hidden_size=16, intermediate_size=24, num_layers=2,
                      num_heads=4, num_kv_heads=2, head_dim=4, rms_norm_eps=1e-5)

@@ -1,44 +1,10 @@
-"""The paged KV cache: device pools and the host-side block allocator.
+"""The host side of the paged KV cache: which blocks each sequence holds, and its length.
 
-Device: K and V pools `[L, num_blocks, tokens_per_block, KV, hd]`. Block 0 is the null block:
-padded block-table entries and padded query rows point at it, so their writes land in memory
-no live request reads.
-
-Host: `BlockAllocator` owns which blocks each sequence holds and its logical length. Rewind
-only moves the length back and frees whole trailing blocks; it never zeroes memory, because
+Block 0 is the null block (`specjax.core.kv.NULL_BLOCK`) and is never handed out. Rewind only
+moves the length back and frees whole trailing blocks; it never zeroes memory, because
 attention reads only below the logical length and the next write overwrites stale rows.
 """
 from __future__ import annotations
-
-import jax
-import jax.numpy as jnp
-from flax import struct
-
-from specjax.models.config import ModelConfig
-
-NULL_BLOCK = 0
-
-
-@struct.dataclass
-class KVPool:
-    k: jax.Array  # [L, num_blocks, tokens_per_block, KV, hd]
-    v: jax.Array
-
-    @property
-    def num_blocks(self) -> int:
-        return self.k.shape[1]
-
-    @property
-    def tokens_per_block(self) -> int:
-        return self.k.shape[2]
-
-
-def make_kv_pool(config: ModelConfig, num_blocks: int, tokens_per_block: int,
-                 dtype: str | None = None) -> KVPool:
-    shape = (config.num_layers, num_blocks, tokens_per_block, config.num_kv_heads,
-             config.head_dim)
-    dtype = jnp.dtype(dtype or config.dtype)
-    return KVPool(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
 
 
 class OutOfBlocks(RuntimeError):

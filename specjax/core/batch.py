@@ -1,0 +1,95 @@
+"""What one jitted step consumes and produces: fixed-shape padded arrays, no Python objects.
+
+Rows are padded to a batch bucket and runs to a fixed width; a padded row has query_len 0, a
+block table of null blocks and the spare slot, so it writes only into block 0 and the spare
+slot row, and its outputs are ignored. `empty_batch` + `set_row` build a batch on the host (numpy
+arrays; jit takes them as they are).
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax
+import numpy as np
+from flax import struct
+
+from specjax.core.kv import NULL_BLOCK
+
+
+@struct.dataclass
+class StepBatch:
+    tokens: jax.Array        # [B, T] int32: each row's run (prompt chunk, or last token + drafts)
+    start_pos: jax.Array     # [B] int32: position of tokens[:, 0]
+    query_lens: jax.Array    # [B] int32: real tokens in the run (0 = padded row)
+    block_tables: jax.Array  # [B, M] int32: the row's KV blocks, padded with the null block
+    temperature: jax.Array   # [B] float32 (0 = greedy)
+    top_k: jax.Array         # [B] int32 (0 = off)
+    top_p: jax.Array         # [B] float32 (1 = off)
+    min_p: jax.Array         # [B] float32 (0 = off)
+    seeds: jax.Array         # [B] uint32
+    slots: jax.Array         # [B] int32: the request's sequence slot (padded rows: the spare)
+    max_lens: jax.Array      # [B] int32: prompt + output may not exceed this many tokens
+    # [B] int32: the prompt token after a prompt-chunk run (-1: the run ends the prompt). Only
+    # hidden-state drafters read it (their row t pairs hidden state t with token t+1).
+    next_tokens: jax.Array | None = None
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.tokens.shape
+
+
+@struct.dataclass
+class PrefillOutput:
+    tokens: jax.Array        # [B] int32: the token sampled after each row's run
+    # [C, B, T, H]: residual streams after the saved layers (SAVE_HIDDEN_STATES only)
+    hidden_states: jax.Array | None = None
+
+
+@struct.dataclass
+class GenerationOutput:
+    new_tokens: jax.Array          # [B, D+1]: accepted drafts, then the correction/bonus token
+    new_tokens_lens: jax.Array     # [B]: accepted + 1
+    next_draft_tokens: jax.Array   # [B, D] (width 0 without an in-step drafter)
+    draft_lens: jax.Array          # [B]: real drafts verified (before padding)
+    # [C, B, D+1, H]: residual streams after the saved layers (SAVE_HIDDEN_STATES only)
+    hidden_states: jax.Array | None = None
+
+
+def empty_batch(rows: int, width: int, blocks_per_seq: int, spare_slot: int) -> StepBatch:
+    """A batch of `rows` padded rows (numpy arrays, filled in place by `set_row`)."""
+    return StepBatch(
+        tokens=np.zeros((rows, width), np.int32),
+        start_pos=np.zeros(rows, np.int32),
+        query_lens=np.zeros(rows, np.int32),
+        block_tables=np.full((rows, blocks_per_seq), NULL_BLOCK, np.int32),
+        temperature=np.zeros(rows, np.float32),
+        top_k=np.zeros(rows, np.int32),
+        top_p=np.ones(rows, np.float32),
+        min_p=np.zeros(rows, np.float32),
+        seeds=np.zeros(rows, np.uint32),
+        slots=np.full(rows, spare_slot, np.int32),
+        max_lens=np.zeros(rows, np.int32),
+        next_tokens=np.full(rows, -1, np.int32),
+    )
+
+
+def set_row(batch: StepBatch, row: int, *, run: Sequence[int], start_pos: int,
+            blocks: Sequence[int], slot: int, max_len: int, seed: int = 0,
+            temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
+            next_token: int = -1) -> None:
+    """Make `row` of an `empty_batch` real: `run` (its tokens; for steps that read runs from
+    slot state only its length matters) starts at `start_pos`, the request's K/V live in
+    `blocks` and its device-side state in `slot`. `next_token`: the prompt token after a
+    prompt-chunk run (-1: the run ends the prompt)."""
+    batch.tokens[row, :len(run)] = run
+    batch.start_pos[row] = start_pos
+    batch.query_lens[row] = len(run)
+    batch.block_tables[row, :len(blocks)] = blocks
+    batch.temperature[row] = temperature
+    batch.top_k[row] = top_k
+    batch.top_p[row] = top_p
+    batch.min_p[row] = min_p
+    batch.seeds[row] = seed
+    batch.slots[row] = slot
+    batch.max_lens[row] = max_len
+    batch.next_tokens[row] = next_token

@@ -1,0 +1,89 @@
+"""The paged forward: a model's layers over each row's run, K/V written into and read from the
+pool through the row's block table. Target and drafter heads share `PagedAttention`, so their
+pools line up block for block."""
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.kv_gather import gather_kv_pages
+from pallas_kernels.paged_attention import paged_attention
+from specjax.core.batch import StepBatch
+from specjax.core.kv import NULL_BLOCK, KVPool
+from specjax.models.llama import NO_WINDOW, Llama, layer_windows
+
+
+def kv_destinations(batch: StepBatch, tokens_per_block: int) -> tuple[jax.Array, jax.Array]:
+    """(block ids, offsets), each `[B, T]`, where the runs' K/V go; padding goes to the null
+    block."""
+    B, T = batch.tokens.shape
+    positions = batch.start_pos[:, None] + jnp.arange(T)
+    valid = jnp.arange(T) < batch.query_lens[:, None]
+    index = jnp.where(valid, positions // tokens_per_block, 0)
+    blocks = jnp.take_along_axis(batch.block_tables, index, axis=1)
+    return jnp.where(valid, blocks, NULL_BLOCK), positions % tokens_per_block
+
+
+class PagedAttention:
+    """Paged attention for runs laid out as in `batch`: `write` puts a run's K/V into a pool
+    layer (padding into the null block), `read` attends each row's queries over its blocks up
+    to its context length, `attend` does both (the `AttendFn` the layer loop calls)."""
+
+    def __init__(self, batch: StepBatch, tokens_per_block: int, windows: jax.Array | None = None):
+        T = batch.tokens.shape[1]
+        self.batch, self.windows = batch, windows
+        self.positions = batch.start_pos[:, None] + jnp.arange(T)   # [B, T]
+        self.context_lens = batch.start_pos + batch.query_lens      # [B]
+        self.blocks, self.offsets = kv_destinations(batch, tokens_per_block)
+
+    def write(self, k: jax.Array, v: jax.Array, layer, pool: KVPool) -> KVPool:
+        return KVPool(k=pool.k.at[layer, self.blocks, self.offsets].set(k.astype(pool.k.dtype)),
+                      v=pool.v.at[layer, self.blocks, self.offsets].set(v.astype(pool.v.dtype)))
+
+    def read(self, q: jax.Array, layer, pool: KVPool) -> jax.Array:
+        window = NO_WINDOW if self.windows is None else self.windows[layer]
+        out = paged_attention(q, pool.k, pool.v, layer, self.batch.block_tables,
+                              self.positions, self.context_lens, window)
+        return out.astype(q.dtype)
+
+    def attend(self, q, k, v, layer, pool: KVPool) -> tuple[jax.Array, KVPool]:
+        pool = self.write(k, v, layer, pool)
+        return self.read(q, layer, pool), pool
+
+
+def gather_context(pool: KVPool, layer: int, block_tables: jax.Array, context_lens: jax.Array
+                   ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """One pool layer of each row's blocks as dense keys and values `[B, M * bs, KV, hd]`, with
+    their positions `[B, M * bs]` and validity (position < context_lens `[B]`): what paged
+    attention reads, gathered once for several queries that attend to the same context."""
+    B, M = block_tables.shape
+    S = M * pool.tokens_per_block
+    positions = jnp.broadcast_to(jnp.arange(S), (B, S))
+    return (gather_kv_pages(pool.k, layer, block_tables),
+            gather_kv_pages(pool.v, layer, block_tables),
+            positions, positions < context_lens[:, None])
+
+
+def paged_forward(model: Llama, kv: KVPool, batch: StepBatch,
+                  capture_layers: Sequence[int] = ()) -> tuple[KVPool, jax.Array, jax.Array]:
+    """Run each row's tokens through the model, writing their K/V into the pool first.
+
+    Returns (kv, hidden `[B, T, D]` after the last layer, captured `[C, B, T, D]`: the residual
+    streams after `capture_layers`, for hidden-state drafters; rows past query_lens are padding).
+    """
+    paged = PagedAttention(batch, kv.tokens_per_block, layer_windows(model.config))
+    hidden, captured, kv = model.run_layers(model.embed_tokens(batch.tokens), paged.positions,
+                                            paged.attend, kv, capture_layers)
+    return kv, hidden, captured
+
+
+def take_rows(x: jax.Array, index: jax.Array) -> jax.Array:
+    """x `[B, T, ...]` -> `[B, ...]`: row b's entry at `index[b]`."""
+    return jnp.take_along_axis(x, index.reshape(-1, *([1] * (x.ndim - 1))), axis=1)[:, 0]
+
+
+def last_rows(hidden: jax.Array, query_lens: jax.Array) -> jax.Array:
+    """hidden `[B, T, D]` -> `[B, D]` at each row's last real token."""
+    return take_rows(hidden, jnp.maximum(query_lens - 1, 0))

@@ -1,0 +1,36 @@
+"""The paged KV pool on the device: one pool per attention stack (target, draft model, head).
+
+K and V are `[L, num_blocks, tokens_per_block, KV, hd]`. Block 0 is the null block: padded
+block-table entries and padded query rows point at it, so their writes land in memory no live
+request reads. Drafters' pools share the target's block tables, so a request's position maps
+to the same block in every pool. Which blocks a request holds is the host's business
+(`specjax.engine.allocator`); the device only ever sees block tables.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+NULL_BLOCK = 0
+
+
+@struct.dataclass
+class KVPool:
+    k: jax.Array  # [L, num_blocks, tokens_per_block, KV, hd]
+    v: jax.Array  # [L, num_blocks, tokens_per_block, KV, hd]
+
+    @property
+    def num_blocks(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def tokens_per_block(self) -> int:
+        return self.k.shape[2]
+
+
+def make_kv_pool(num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int,
+                 tokens_per_block: int, dtype) -> KVPool:
+    """A zeroed pool of `num_layers` attention layers (the target's, or a drafter's)."""
+    shape = (num_layers, num_blocks, tokens_per_block, num_kv_heads, head_dim)
+    return KVPool(k=jnp.zeros(shape, jnp.dtype(dtype)), v=jnp.zeros(shape, jnp.dtype(dtype)))

@@ -1,0 +1,107 @@
+"""What the steps carry from one call to the next, and the parameters they take as arguments.
+
+`Params` and `EngineState` are pytrees of arrays, so the jitted steps trace them (one compiled
+program serves any weights of a shape) and donate the state (XLA updates the pools in place).
+Static configuration -- graph definitions, the drafter's shape -- lives in the step's closure.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx, struct
+
+from specjax.core.kv import KVPool, make_kv_pool
+from specjax.core.worker import DraftWorker
+
+
+@struct.dataclass
+class SlotState:
+    """Per-slot device state that lets a step start where the previous one ended without a
+    host round trip: the overlap scheduler dispatches step N+1 before reading step N.
+
+    Every step writes it for its rows (`write_slots`); generation steps whose runs come from the
+    device (`runs_on_device`) read them from it. Row S (one past the last slot) is the spare that
+    padded rows write to.
+    """
+
+    run: jax.Array           # [S+1, D_max+1] int32: newest token, then its drafts
+    start: jax.Array         # [S+1] int32: position of the newest token
+    num_drafts: jax.Array    # [S+1] int32: drafts in `run` (0 after prefill or plain decode)
+    # [S+1, D_max, V] float32: the distributions the drafts were drawn from, kept only when
+    # rejection sampling needs them (None otherwise).
+    draft_probs: jax.Array | None = None
+
+    @property
+    def spare(self) -> int:
+        """The slot padded rows use."""
+        return self.start.shape[0] - 1
+
+
+def make_slot_state(num_slots: int, max_draft_len: int, vocab_size: int = 0) -> SlotState:
+    """Slot state for `num_slots` slots plus the spare; `vocab_size` > 0 keeps draft probs."""
+    probs = (jnp.zeros((num_slots + 1, max_draft_len, vocab_size), jnp.float32)
+             if vocab_size else None)
+    return SlotState(run=jnp.zeros((num_slots + 1, max_draft_len + 1), jnp.int32),
+                     start=jnp.zeros(num_slots + 1, jnp.int32),
+                     num_drafts=jnp.zeros(num_slots + 1, jnp.int32), draft_probs=probs)
+
+
+def write_slots(slots: SlotState, rows: jax.Array, run: jax.Array, start: jax.Array,
+                num_drafts: jax.Array, draft_probs: jax.Array | None = None) -> SlotState:
+    """Record each row's newest token and drafts where the next step reads them: rows `[B]`
+    (slot ids), run `[B, <=D_max+1]`, start `[B]`, num_drafts `[B]`, draft_probs
+    `[B, D, V]` (kept only where the state has room for them)."""
+    full = jnp.zeros((run.shape[0], slots.run.shape[1]), jnp.int32).at[:, :run.shape[1]].set(run)
+    slots = slots.replace(run=slots.run.at[rows].set(full), start=slots.start.at[rows].set(start),
+                          num_drafts=slots.num_drafts.at[rows].set(num_drafts))
+    if draft_probs is not None and slots.draft_probs is not None:
+        D = draft_probs.shape[1]
+        slots = slots.replace(draft_probs=slots.draft_probs.at[rows, :D].set(draft_probs))
+    return slots
+
+
+@struct.dataclass
+class Params:
+    """The step's parameters: nnx pure dicts of arrays (`nnx.split`)."""
+
+    target: Any              # the target model's
+    draft: Any = None        # the in-step drafter's (draft model or head), None without one
+
+
+@struct.dataclass
+class EngineState:
+    """Everything a step reads and writes on the device."""
+
+    target: KVPool           # [L, N, bs, KV, hd]: the target's pool
+    slots: SlotState         # per-slot newest token, drafts and their distributions
+    draft: KVPool | None = None  # the in-step drafter's pool (same block tables), or None
+
+
+def split_model(target: nnx.Module, draft: nnx.Module | None = None
+                ) -> tuple[nnx.GraphDef, Params]:
+    """(the target's graph definition, `Params`) for the step functions. Stacked `Llama`
+    layers are unstacked first: a decode step then reads each layer's weights in place."""
+    if hasattr(target, "unstacked"):
+        target = target.unstacked()
+    if hasattr(draft, "unstacked"):
+        draft = draft.unstacked()
+    graphdef, state = nnx.split(target)
+    return graphdef, Params(
+        target=nnx.to_pure_dict(state),
+        draft=None if draft is None else nnx.to_pure_dict(nnx.split(draft)[1]))
+
+
+def init_state(config, *, num_slots: int, num_blocks: int, tokens_per_block: int,
+               max_draft_len: int = 0, worker: DraftWorker | None = None) -> EngineState:
+    """Zeroed device state for a target with `config` (a `ModelConfig`): its pool, slot state
+    for `num_slots` requests and drafts up to `max_draft_len`, and the worker's pool. Draft
+    distributions are kept when the worker does rejection sampling."""
+    keep_probs = worker is not None and worker.rejection_sampling
+    return EngineState(
+        target=make_kv_pool(config.num_layers, config.num_kv_heads, config.head_dim, num_blocks,
+                            tokens_per_block, config.dtype),
+        slots=make_slot_state(num_slots, max_draft_len, config.vocab_size if keep_probs else 0),
+        draft=None if worker is None else worker.make_kv(num_blocks, tokens_per_block,
+                                                         config.dtype))

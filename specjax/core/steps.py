@@ -1,0 +1,131 @@
+"""The two jitted steps: prefill (prompt chunks) and generation (verify, accept, draft).
+
+    prefill    (params, state, batch [B, chunk]) -> (state, PrefillOutput)
+    generation (params, state, batch [B, D+1])   -> (state, GenerationOutput)
+
+Both are pure: parameters are traced arguments (`Params`), the device state (`EngineState`) is
+donated so XLA updates the pools in place, and the static configuration -- the target's graph
+definition, the in-step drafter (`DraftWorker`), the layers to save -- is closed over. Each
+compiles once per (batch bucket, run width); D comes from the batch's shape, so the generation
+step compiles once per runtime draft length. D = 0 is plain decoding: every generation step goes
+through the same function.
+
+Both steps end by writing each row's newest token and drafts to the slot state
+(`write_slots`), so a generation step can start where the last step ended without a host round
+trip (`runs_on_device`): that is what lets the host dispatch step N+1 before reading step N.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from specjax.core.accept import rejection_accept, strict_accept, target_tokens
+from specjax.core.batch import GenerationOutput, PrefillOutput, StepBatch
+from specjax.core.forward import last_rows, paged_forward
+from specjax.core.sampling import sample, sampling_keys
+from specjax.core.state import EngineState, Params, SlotState, write_slots
+from specjax.core.worker import DraftWorker
+
+
+def runs_on_device(worker: DraftWorker | None, draft_len: int) -> bool:
+    """Whether a generation step takes its runs from slot state rather than from the host: an
+    in-step drafter's drafts exist only on the device, and plain decoding needs nothing the
+    device does not hold. Host drafters' drafts come from the host with the batch."""
+    return worker is not None or draft_len == 0
+
+
+def runs_from_slots(batch: StepBatch, slots: SlotState, D: int) -> StepBatch:
+    """Take each row's run from slot state: its newest token and as many of its drafts as the
+    runtime length and the room left allow. Rows the host marked real (query_lens > 0) stay
+    real; padded rows stay empty."""
+    start = slots.start[batch.slots]
+    room = batch.max_lens - start - 2  # a step emits drafts + 1 tokens after the newest
+    drafts = jnp.clip(jnp.minimum(slots.num_drafts[batch.slots], jnp.minimum(D, room)), 0)
+    return batch.replace(tokens=slots.run[batch.slots, :D + 1], start_pos=start,
+                         query_lens=jnp.where(batch.query_lens > 0, 1 + drafts, 0))
+
+
+def _capture_layers(worker: DraftWorker | None, save_layers: tuple[int, ...]) -> tuple[int, ...]:
+    return worker.capture_layers if worker is not None else save_layers
+
+
+@functools.lru_cache(maxsize=None)  # engines over one model share compiled steps
+def make_prefill_step(graphdef: nnx.GraphDef, worker: DraftWorker | None = None,
+                      save_layers: tuple[int, ...] = ()):
+    """The jitted prompt-chunk step for targets of this graph definition. Each row's run is a
+    chunk of its prompt; the output is the token sampled after each row's run (meaningful for
+    rows whose run ends the prompt). An in-step drafter processes the same runs, so its pool
+    stays level with the target's, and may draft after a prompt's last chunk. With
+    `save_layers` the output carries the residual streams after those layers."""
+    capture = _capture_layers(worker, save_layers)
+
+    def prefill(params: Params, state: EngineState, batch: StepBatch
+                ) -> tuple[EngineState, PrefillOutput]:
+        model = nnx.merge(graphdef, params.target)
+        kv_target, hidden, captured = paged_forward(model, state.target, batch, capture)
+        logits = model.logits(last_rows(hidden, batch.query_lens))
+        keys = sampling_keys(batch.seeds, batch.start_pos + batch.query_lens)
+        tokens = sample(logits, batch.temperature, batch.top_k, batch.top_p, batch.min_p, keys)
+        run, num_drafts, kv_draft = tokens[:, None], jnp.zeros_like(tokens), state.draft
+        if worker is not None:
+            # The token after each run: the next prompt token, or the one just sampled.
+            ends = batch.next_tokens < 0
+            following = jnp.where(ends, tokens, batch.next_tokens)
+            kv_draft, drafts = worker.catch_up(params.draft, kv_draft, batch, model, captured,
+                                               following, state.slots.run.shape[1] - 1)
+            if drafts is not None:  # the first generation step verifies these
+                run = jnp.concatenate([run, drafts], axis=1)
+                num_drafts = jnp.where(ends & (batch.query_lens > 0), drafts.shape[1], 0)
+        slots = write_slots(state.slots, batch.slots, run, batch.start_pos + batch.query_lens,
+                            num_drafts)
+        return (EngineState(target=kv_target, slots=slots, draft=kv_draft),
+                PrefillOutput(tokens=tokens, hidden_states=captured if save_layers else None))
+
+    return jax.jit(prefill, donate_argnums=(1,))
+
+
+@functools.lru_cache(maxsize=None)  # engines over one model share compiled steps
+def make_generation_step(graphdef: nnx.GraphDef, worker: DraftWorker | None = None,
+                         save_layers: tuple[int, ...] = ()):
+    """The jitted generation step: verify each row's [newest token, drafts] (padded to D+1,
+    query_lens = 1 + real draft length), accept, and -- with an in-step drafter -- draft the
+    next D tokens. Without a worker, D > 0 runs verify the drafts the host put in the batch."""
+    capture = _capture_layers(worker, save_layers)
+
+    def generation(params: Params, state: EngineState, batch: StepBatch
+                   ) -> tuple[EngineState, GenerationOutput]:
+        D = batch.tokens.shape[1] - 1
+        if runs_on_device(worker, D):
+            batch = runs_from_slots(batch, state.slots, D)
+        model = nnx.merge(graphdef, params.target)
+        kv_target, hidden, captured = paged_forward(model, state.target, batch, capture)
+        logits = model.logits(hidden)
+        # Decided by shapes: without draft distributions acceptance fails closed to strict.
+        draft_probs = state.slots.draft_probs
+        rejection = draft_probs is not None and D > 0
+        # Rejection sampling decides every sampled row, so strict matching need not sample.
+        strict_temperature = jnp.zeros_like(batch.temperature) if rejection else batch.temperature
+        targets = target_tokens(logits, batch.start_pos, strict_temperature,
+                                batch.top_k, batch.top_p, batch.min_p, batch.seeds)
+        drafts_in, draft_lens = batch.tokens[:, 1:], batch.query_lens - 1
+        new_tokens, lens = strict_accept(drafts_in, draft_lens, targets)
+        if rejection:
+            new_tokens, lens = rejection_accept(logits, batch, drafts_in, draft_lens,
+                                                draft_probs[batch.slots, :D], new_tokens, lens)
+        B = batch.tokens.shape[0]
+        drafts, probs, kv_draft = jnp.zeros((B, 0), jnp.int32), None, state.draft
+        if worker is not None:
+            kv_draft, drafts, probs = worker.draft(params.draft, kv_draft, batch, model,
+                                                   captured, new_tokens, lens, D)
+        newest = jnp.take_along_axis(new_tokens, (lens - 1)[:, None], axis=1)
+        slots = write_slots(state.slots, batch.slots, jnp.concatenate([newest, drafts], axis=1),
+                            batch.start_pos + lens, jnp.full((B,), drafts.shape[1], jnp.int32),
+                            probs)
+        return (EngineState(target=kv_target, slots=slots, draft=kv_draft),
+                GenerationOutput(new_tokens, lens, drafts, draft_lens,
+                                 captured if save_layers else None))
+
+    return jax.jit(generation, donate_argnums=(1,))

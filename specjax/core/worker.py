@@ -1,0 +1,41 @@
+"""What an in-step drafter must provide to ride inside the jitted steps.
+
+A worker is static configuration (a frozen, hashable dataclass: the steps close over it and are
+cached by it); its parameters travel as traced arguments (`Params.draft`) and its K/V in its own
+pool (`EngineState.draft`), which shares the target's block tables. The implementations live in
+`specjax.speculative.workers`; the steps in `specjax.core.steps` only call this interface.
+"""
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import jax
+
+from specjax.core.batch import StepBatch
+from specjax.core.kv import KVPool
+
+
+class DraftWorker(Protocol):
+    # Target layers whose residual streams (after the layer) the worker reads: `captured`
+    # `[C, B, T, H]` below, in this order.
+    capture_layers: tuple[int, ...]
+    # Sampled rows draw their drafts from the worker's filtered distribution and hand it back,
+    # so the next step can accept by rejection sampling; otherwise every row drafts the argmax.
+    rejection_sampling: bool
+
+    def make_kv(self, num_blocks: int, tokens_per_block: int, dtype) -> KVPool:
+        """The worker's zeroed pool, block for block beside the target's."""
+
+    def catch_up(self, params: Any, kv: KVPool, batch: StepBatch, target, captured: jax.Array,
+                 following: jax.Array, num_drafts: int) -> tuple[KVPool, jax.Array | None]:
+        """Prompt chunks: write the worker's K/V for the rows the target just processed.
+        `following` `[B]`: the token after each run (the next prompt token or the one just
+        sampled). May draft `num_drafts` tokens after a prompt's last chunk, for the first
+        generation step to verify -> (kv, drafts `[B, num_drafts]` or None)."""
+
+    def draft(self, params: Any, kv: KVPool, batch: StepBatch, target, captured: jax.Array,
+              new_tokens: jax.Array, new_lens: jax.Array, num_drafts: int
+              ) -> tuple[KVPool, jax.Array, jax.Array | None]:
+        """After acceptance (new_tokens `[B, D+1]`, new_lens `[B]` = accepted + 1): catch up
+        over the accepted rows, then draft `num_drafts` tokens after each row's newest one ->
+        (kv, drafts `[B, num_drafts]`, their distributions `[B, num_drafts, V]` or None)."""

@@ -1,0 +1,1 @@
+"""The host loop: requests, slots, KV blocks, the draft schedule and the gate (see engine.py)."""

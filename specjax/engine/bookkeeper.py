@@ -1,0 +1,107 @@
+"""Applying a generation step's results on the host: accepted counts, the KV ledger, statistics
+and the acceptance gate -- in the order that keeps them right:
+
+    num_accepted        = new_tokens_lens - 1
+    verified_len        = the step's runtime draft length
+    drafted_len         = drafts the device verified, snapshotted before padding
+    num_drafts_verified = min(drafted_len, verified_len)     # acceptance-rate denominator
+    rewind_len          = verified_len - num_accepted         # rejected positions to give back
+    then give back the rest of the reservation, and only then replace the request's drafts
+    with next_draft_tokens[:runtime draft length].
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from specjax.core.batch import GenerationOutput
+from specjax.engine.allocator import BlockAllocator
+from specjax.engine.hidden_states import HiddenStateRecorder
+from specjax.engine.request import Request, Status
+from specjax.engine.stats import EngineStats
+from specjax.speculative.schedule import SpeculationGate
+
+
+@dataclasses.dataclass
+class GenerationRow:
+    request: Request
+    reserve: int     # KV positions reserved from the newest token on (`reserve_for`)
+    drafted: int     # drafts the host knows of (host drafters); the device reports its own
+
+
+@dataclasses.dataclass
+class DispatchedStep:
+    """A generation step on the device, not yet read."""
+
+    step_id: int
+    rows: list[GenerationRow]
+    draft_len: int
+    out: GenerationOutput
+
+
+class Bookkeeper:
+    def __init__(self, allocator: BlockAllocator, stats: EngineStats, rewinds: bool,
+                 gate: SpeculationGate | None = None,
+                 recorder: HiddenStateRecorder | None = None):
+        self.allocator = allocator
+        self.stats = stats
+        self.rewinds = rewinds
+        self.gate = gate
+        self.recorder = recorder
+
+    def apply(self, step: DispatchedStep) -> tuple[list[tuple[Request, list[int]]], bool]:
+        """Settle each row of `step` -> ([(request, its new tokens)], whether the gate
+        turned speculation off just now). Rows whose request finished or was cancelled while
+        the step was in flight are skipped: their blocks are already back."""
+        out = step.out
+        new_tokens = np.asarray(out.new_tokens)
+        lens = np.asarray(out.new_tokens_lens)
+        draft_lens = np.asarray(out.draft_lens)
+        next_drafts = np.asarray(out.next_draft_tokens)
+        hidden = np.asarray(out.hidden_states) if self.recorder is not None else None
+        advanced, accepted_sum, drafted_sum, with_drafts = [], 0, 0, 0
+        for i, row in enumerate(step.rows):
+            request = row.request
+            if request.status is not Status.RUNNING:
+                continue
+            num_accepted = int(lens[i]) - 1
+            verified_len = step.draft_len
+            drafted_len = int(draft_lens[i])
+            num_drafts_verified = min(drafted_len, verified_len)
+            rewind_len = verified_len - num_accepted
+            if hidden is not None:
+                self.recorder.record(request, request.num_computed, hidden[:, i, :1])
+            self._give_back(request, row, step.step_id, num_accepted, rewind_len)
+            # Only now do the next drafts replace the verified ones.
+            request.draft_tokens = [int(t) for t in next_drafts[i, :step.draft_len]]
+            stats = request.stats
+            stats.num_draft_tokens += num_drafts_verified
+            stats.num_accepted_draft_tokens += num_accepted
+            if num_drafts_verified > 0:
+                stats.num_steps_with_drafts += 1
+                with_drafts += 1
+                accepted_sum += num_accepted
+                drafted_sum += num_drafts_verified
+            advanced.append((request, [int(t) for t in new_tokens[i, :num_accepted + 1]]))
+        self.stats.record_step(with_drafts, accepted_sum, drafted_sum)
+        tripped = False
+        if self.gate is not None and drafted_sum > 0:
+            tripped, _ = self.gate.record_acceptance_rate(accepted_sum / drafted_sum)
+        return advanced, tripped
+
+    def _give_back(self, request: Request, row: GenerationRow, step_id: int, num_accepted: int,
+                   rewind_len: int) -> None:
+        """The newest token and the accepted drafts are now computed; the reservation past
+        them goes back: the rejected positions (`rewind_len`) and the slack an in-step drafter
+        wrote or left unused -- except what a newer, still unread step has reserved."""
+        request.num_computed += num_accepted + 1
+        slack = row.reserve - 1 - num_accepted - rewind_len
+        if request.latest_step != step_id:  # a newer step holds the positions after these
+            self.allocator.rewind(request.request_id, self.allocator.length(request.request_id)
+                                  - request.num_computed - request.latest_reserve)
+            return
+        if self.rewinds:
+            self.allocator.rewind(request.request_id, rewind_len)
+        self.allocator.rewind(request.request_id, slack)
+        assert self.allocator.length(request.request_id) == request.num_computed

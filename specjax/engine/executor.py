@@ -1,0 +1,118 @@
+"""The device as the host loop sees it: parameters, state, the compiled steps, padded batches,
+and the generation step in flight.
+
+`launch_*` pads rows into a batch bucket and dispatches a step asynchronously (JAX async
+dispatch); its small outputs start their device-to-host copies at once. With the overlap
+scheduler the engine reads a generation step one call later, while the device runs the next;
+`unread_advance` tells the scheduler how far such a step may still move a request.
+"""
+from __future__ import annotations
+
+import jax
+from tqdm.auto import tqdm
+
+from specjax.core.batch import empty_batch, set_row
+from specjax.core.state import EngineState, Params
+from specjax.core.steps import make_generation_step, make_prefill_step
+from specjax.core.worker import DraftWorker
+from specjax.engine.allocator import BlockAllocator
+from specjax.engine.bookkeeper import DispatchedStep, GenerationRow
+from specjax.engine.request import Request
+
+
+def power_of_two_buckets(limit: int) -> tuple[int, ...]:
+    """1, 2, 4, ... up to and including `limit`."""
+    buckets, b = [], 1
+    while b < limit:
+        buckets.append(b)
+        b *= 2
+    return tuple(buckets + [limit])
+
+
+def bucket(n: int, buckets: tuple[int, ...]) -> int:
+    return next(b for b in buckets if b >= n)
+
+
+class Executor:
+    def __init__(self, graphdef, params: Params, state: EngineState, allocator: BlockAllocator,
+                 *, worker: DraftWorker | None, save_layers: tuple[int, ...],
+                 blocks_per_seq: int, max_batch_size: int, prefill_chunk: int,
+                 max_prefill_rows: int):
+        self.graphdef, self.params, self.state = graphdef, params, state
+        self.allocator = allocator
+        self.prefill_step = make_prefill_step(graphdef, worker, save_layers)
+        self.generation_step = make_generation_step(graphdef, worker, save_layers)
+        self.blocks_per_seq = blocks_per_seq
+        self.spare_slot = max_batch_size
+        self.prefill_chunk = prefill_chunk
+        self.decode_buckets = power_of_two_buckets(max_batch_size)
+        self.prefill_buckets = power_of_two_buckets(max_prefill_rows)
+        self.inflight: DispatchedStep | None = None
+        self._step_id = 0
+
+    # -- dispatch ----------------------------------------------------------------------------
+
+    def launch_prefill(self, rows: list[tuple[Request, int]]):
+        """Prompt chunks: each request's next `n` tokens from its first one not in the pool."""
+        runs = []
+        for request, n in rows:
+            start = request.num_computed
+            end = start + n
+            runs.append((request, request.tokens(start, end),
+                         request.token_at(end) if end < request.num_tokens else -1))
+        return self._launch(self.prefill_step, runs, self.prefill_chunk, self.prefill_buckets)
+
+    def launch_generation(self, rows: list[GenerationRow], draft_len: int) -> DispatchedStep:
+        """[newest token, host drafts] per row (steps that read runs from the device only use
+        the length); each request remembers this step's reservation and largest advance."""
+        runs = [(row.request, [row.request.last_token] + row.request.draft_tokens[:row.drafted],
+                 -1) for row in rows]
+        self._step_id += 1
+        step = DispatchedStep(self._step_id, rows, draft_len,
+                              self._launch(self.generation_step, runs, draft_len + 1,
+                                           self.decode_buckets))
+        for row in rows:
+            request = row.request
+            request.latest_step, request.latest_reserve = step.step_id, row.reserve
+            request.latest_advance = draft_len + 1
+        return step
+
+    def _launch(self, fn, runs: list[tuple[Request, list[int], int]], width: int,
+                buckets: tuple[int, ...]):
+        batch = empty_batch(bucket(len(runs), buckets), width, self.blocks_per_seq,
+                            self.spare_slot)
+        for i, (request, run, next_token) in enumerate(runs):
+            p = request.params
+            set_row(batch, i, run=run, start_pos=request.num_computed,
+                    blocks=self.allocator.blocks(request.request_id), slot=request.slot,
+                    max_len=request.max_len, seed=request.seed, temperature=p.temperature,
+                    top_k=p.top_k, top_p=p.top_p, min_p=p.min_p, next_token=next_token)
+        self.state, out = fn(self.params, self.state, batch)
+        for leaf in jax.tree.leaves(out):  # start the small device->host copies now, unblocked
+            leaf.copy_to_host_async()
+        return out
+
+    # -- the step in flight ------------------------------------------------------------------
+
+    def unread_advance(self, request: Request) -> int:
+        """Tokens a dispatched but unread step may still add to `request`."""
+        unread = self.inflight is not None and request.latest_step == self.inflight.step_id
+        return request.latest_advance if unread else 0
+
+    def take_inflight(self) -> DispatchedStep | None:
+        step, self.inflight = self.inflight, None
+        return step
+
+    # -- warm-up (our stand-in for CUDA-graph capture) ------------------------------------
+
+    def warmup(self, generation_widths: set[tuple[int, int]], progress: bool = True) -> None:
+        """Compile the prefill step for every bucket and the generation step for every
+        (bucket, run width) in `generation_widths`, so serving itself never compiles."""
+        shapes = ([(self.prefill_step, rows, self.prefill_chunk) for rows in self.prefill_buckets]
+                  + [(self.generation_step, rows, width)
+                     for rows, width in sorted(generation_widths)])
+        for fn, rows, width in tqdm(shapes, desc="specjax warm-up", disable=not progress,
+                                    leave=False):
+            batch = empty_batch(rows, width, self.blocks_per_seq, self.spare_slot)
+            self.state, out = fn(self.params, self.state, batch)
+            jax.block_until_ready(out)

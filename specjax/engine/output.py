@@ -1,0 +1,88 @@
+"""From a step's tokens to a request's output: stop conditions and text.
+
+Tokens are appended one at a time and the first stop condition ends the request -- EOS (unless
+`ignore_eos`), a stop token id, a stop string, the length limit; the rest of an accepted run
+is dropped with the request's blocks. Stop strings are looked for in text decoded
+incrementally (`tokenizers`' streaming decoder), only where a new piece could complete one, so
+a request costs time linear in its length however long it runs.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Sequence
+
+from tokenizers.decoders import DecodeStream
+
+from specjax.engine.request import Request
+from specjax.engine.stats import EngineStats
+from specjax.tokenizer import Tokenizer
+
+
+@dataclasses.dataclass
+class _StopScan:
+    """A request's output decoded token by token, and the characters a stop string completed
+    by the next piece could start in."""
+
+    stream: DecodeStream
+    pieces: list[str] = dataclasses.field(default_factory=list)
+    tail: str = ""       # the last (longest stop - 1) characters decoded
+    cut: bool = False    # a stop string was found: `request.text` ends before it
+
+
+class OutputProcessor:
+    def __init__(self, eos_token_ids: Sequence[int], tokenizer: Tokenizer | None,
+                 stats: EngineStats):
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.tokenizer = tokenizer
+        self.stats = stats
+        self._scans: dict[int, _StopScan] = {}
+
+    def append(self, request: Request, tokens: Sequence[int]) -> str | None:
+        """Append a step's tokens; returns the finish reason ("stop", "length") if one of
+        them ends the request, else None. A stop string cuts `request.text` before it."""
+        stats = request.stats
+        stats.decoding_iterations += 1
+        if stats.first_token_time is None:
+            stats.first_token_time = time.perf_counter()
+        p = request.params
+        for token in tokens:
+            request.output_ids.append(token)
+            stats.num_generated_tokens += 1
+            self.stats.num_generated_tokens += 1
+            if (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids:
+                return "stop"
+            if p.stop and self.tokenizer is not None and self._stop_string(request, token):
+                return "stop"
+            if request.num_tokens >= request.max_len:
+                return "length"
+        return None
+
+    def _stop_string(self, request: Request, token: int) -> bool:
+        scan = self._scans.get(request.request_id)
+        if scan is None:
+            scan = self._scans[request.request_id] = _StopScan(
+                DecodeStream(skip_special_tokens=True))
+        piece = scan.stream.step(self.tokenizer.backend, token)
+        if not piece:  # a character still incomplete
+            return False
+        scan.pieces.append(piece)
+        # No stop string lies wholly in earlier text (it would have been found then), so the
+        # first one to appear ends in this piece and starts in the tail before it.
+        window = scan.tail + piece
+        hits = [i for i in (window.find(s) for s in request.params.stop) if i >= 0]
+        if hits:
+            text = "".join(scan.pieces)
+            request.text = text[:len(text) - len(window) + min(hits)]
+            scan.cut = True
+            return True
+        keep = max(map(len, request.params.stop)) - 1
+        scan.tail = window[-keep:] if keep else ""
+        return False
+
+    def finish(self, request: Request) -> None:
+        """The request is over: unless a stop string cut it, its text is the whole output
+        decoded once."""
+        scan = self._scans.pop(request.request_id, None)
+        if self.tokenizer is not None and not (scan is not None and scan.cut):
+            request.text = self.tokenizer.decode(request.output_ids)

@@ -1,0 +1,140 @@
+"""Who runs each step: admission, prompt-chunk rows, generation rows with their KV
+reservations, and preemption when the pool runs out.
+
+Requests wait in a queue holding nothing; once admitted they hold a slot (their row of the
+device's slot state) and KV blocks. The one reservation rule is `reserve_for(draft_len)`.
+"""
+from __future__ import annotations
+
+import collections
+from typing import Callable
+
+from specjax.engine.allocator import BlockAllocator, OutOfBlocks
+from specjax.engine.request import Request, Status
+
+
+def kv_reserve(draft_len: int, drafts_in_step: bool) -> int:
+    """KV positions a generation step of this draft length may write from a request's newest
+    token on: the newest token and its D drafts (verify), and D more when the step drafts in
+    it (the drafter's K/V past the verified window)."""
+    return 1 + draft_len * (2 if drafts_in_step else 1)
+
+
+class Scheduler:
+    def __init__(self, allocator: BlockAllocator, num_slots: int, prefill_chunk: int,
+                 max_prefill_rows: int, max_draft_len: int, drafts_in_step: bool,
+                 on_preempt: Callable[[Request], None] = lambda request: None):
+        self.allocator = allocator
+        self.prefill_chunk = prefill_chunk
+        self.max_prefill_rows = max_prefill_rows
+        self.max_draft_len = max_draft_len
+        self.drafts_in_step = drafts_in_step
+        self.on_preempt = on_preempt
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.running: list[Request] = []
+        self._free_slots = list(range(num_slots - 1, -1, -1))
+
+    def reserve_for(self, draft_len: int) -> int:
+        """The reservation of this engine's generation steps (`kv_reserve`)."""
+        return kv_reserve(draft_len, self.drafts_in_step)
+
+    # -- admission ---------------------------------------------------------------------------
+
+    def admit(self) -> None:
+        """Admit waiting requests, oldest first, while a slot is free and the pool holds the
+        whole prompt plus a generation step, so admission cannot thrash."""
+        headroom = self.reserve_for(self.max_draft_len)
+        # Blocks already promised to running requests' unprocessed tokens are not free to give.
+        budget = self.allocator.num_free_blocks - sum(
+            self.allocator.blocks_needed(r.request_id, r.pending + headroom) for r in self.running)
+        while self.waiting and self._free_slots:
+            request = self.waiting[0]
+            need = self.allocator.blocks_needed(None, request.num_tokens + headroom)
+            if need > budget:
+                break
+            budget -= need
+            self.waiting.popleft()
+            request.status = Status.RUNNING
+            request.slot = self._free_slots.pop()
+            self.allocator.allocate(request.request_id)
+            self.running.append(request)
+
+    # -- rows of the next steps ----------------------------------------------------------------
+
+    def schedule_prefill(self) -> list[tuple[Request, int]]:
+        """(request, tokens) for up to `max_prefill_rows` requests still taking in their
+        tokens, each a chunk of at most `prefill_chunk`, its blocks taken now."""
+        rows = []
+        for request in self.running:
+            if len(rows) == self.max_prefill_rows:
+                break
+            if not request.prefilled:
+                n = min(request.pending, self.prefill_chunk)
+                if self.allocator.can_add(request.request_id, n):
+                    self.allocator.add_tokens(request.request_id, n)
+                    rows.append((request, n))
+        return rows
+
+    def generation_candidates(self) -> list[Request]:
+        """Running requests whose newest token awaits a generation step."""
+        return [r for r in self.running if r.prefilled]
+
+    def blocks_needed(self, requests: list[Request], positions: Callable[[Request], int]) -> int:
+        return sum(self.allocator.blocks_needed(r.request_id, positions(r)) for r in requests)
+
+    def reserve(self, candidates: list[Request], positions: Callable[[Request], int]
+                ) -> list[Request]:
+        """Grow each candidate's KV length by `positions(request)`, preempting the most
+        recently admitted other requests while the pool is short; returns the candidates that
+        got their reservation (a preempted candidate is dropped)."""
+        rows: list[Request] = []
+        for request in candidates:
+            if request.status is not Status.RUNNING:
+                continue  # preempted while making room for an earlier row
+            while True:
+                try:
+                    self.allocator.add_tokens(request.request_id, positions(request))
+                    rows.append(request)
+                    break
+                except OutOfBlocks:
+                    victim = self._pick_victim(exclude=request)
+                    if victim is None:
+                        break  # cannot happen while one request fits the pool; wait a step
+                    if victim in rows:
+                        rows.remove(victim)
+                    self.preempt(victim)
+        return rows
+
+    # -- leaving -----------------------------------------------------------------------------
+
+    def _pick_victim(self, exclude: Request) -> Request | None:
+        for request in reversed(self.running):  # the most recently admitted goes first
+            if request is not exclude:
+                return request
+        return None
+
+    def preempt(self, request: Request) -> None:
+        """Free a running request's blocks and slot and queue it first, to be recomputed from
+        its tokens. Sampling keys depend on (seed, position) only, so the recomputed request
+        continues exactly as it would have."""
+        self._release(request)
+        request.num_computed = 0
+        request.prefilled = False  # recompute every token, then sample the next one
+        request.draft_tokens = []
+        request.status = Status.WAITING
+        request.stats.num_preemptions += 1
+        self.on_preempt(request)
+        self.waiting.appendleft(request)
+
+    def remove(self, request: Request) -> None:
+        """A finished or cancelled request leaves the queue or gives back what it holds."""
+        if request.status is Status.WAITING:
+            self.waiting.remove(request)
+        elif request.status is Status.RUNNING:
+            self._release(request)
+
+    def _release(self, request: Request) -> None:
+        self.allocator.free(request.request_id)
+        self.running.remove(request)
+        self._free_slots.append(request.slot)
+        request.slot = None

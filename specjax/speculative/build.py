@@ -1,0 +1,204 @@
+"""From a speculative config to what the engine runs: `build_speculation(config, target)`.
+
+The mode's predicates decide every piece, never a chain of mode names:
+
+- `use_one_engine()`: the drafter module is loaded and its parameters ride in the step
+  (`Speculation.draft_model`), and the step writes the drafter's K/V past the verified window,
+  which the KV reservation must cover (`Speculation.drafts_in_step`);
+- `has_spec_decoder()`: an in-step worker (`get_spec_worker`);
+- `has_spec_drafter()`: a host drafter (`get_spec_drafter`) -- the two are mutually exclusive;
+- `support_overlap_scheduler()`: steps with drafts may be dispatched before the previous one
+  is read (`Speculation.overlap`);
+- `needs_kv_cache_rewind()`: rejected draft positions go back to the KV pool after each step
+  (`Speculation.rewinds`).
+
+SAVE_HIDDEN_STATES drafts nothing: its Speculation only names the layers to save.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from flax import nnx
+
+from specjax.core.worker import DraftWorker
+from specjax.models import Llama, load_eagle3_head, load_hf_checkpoint, load_mtp_heads
+from specjax.models.config import ModelConfig
+from specjax.models.registry import resolve_model_path
+from specjax.speculative.config import (DraftTargetConfig, EagleConfig, MTPConfig, NGramConfig,
+                                        SaveHiddenStatesConfig, SpeculativeConfig,
+                                        UserProvidedConfig)
+from specjax.speculative.drafters import Drafter, NGramDrafter
+from specjax.speculative.modes import SpeculativeDecodingMode
+from specjax.speculative.schedule import SpeculationGate, get_draft_len_for_batch_size
+
+
+@dataclasses.dataclass(frozen=True)
+class Speculation:
+    """Everything the engine needs to know about speculation, decided once."""
+
+    config: SpeculativeConfig | None = None
+    worker: DraftWorker | None = None      # drafts inside the jitted step
+    draft_model: Any = None                # the worker's module: Llama, Eagle3Head or MTPHeads
+    drafter: Drafter | None = None         # proposes on the host
+    save_hidden_states: SaveHiddenStatesConfig | None = None
+    save_layers: tuple[int, ...] = ()      # target layers whose residual streams are saved
+
+    @property
+    def drafting(self) -> bool:
+        return self.worker is not None or self.drafter is not None
+
+    @property
+    def max_draft_len(self) -> int:
+        """The widest draft a step verifies (0: plain decoding)."""
+        return self.config.max_draft_len if self.drafting else 0
+
+    @property
+    def drafts_in_step(self) -> bool:
+        """The step itself drafts, writing the drafter's K/V up to D positions past the
+        verified window (TensorRT-LLM's extra KV tokens of one-engine modes)."""
+        return self.drafting and self.config.mode.use_one_engine()
+
+    @property
+    def overlap(self) -> bool:
+        """Steps with drafts may be dispatched before the previous step is read."""
+        return self.drafting and self.config.mode.support_overlap_scheduler()
+
+    @property
+    def rewinds(self) -> bool:
+        """Rejected draft positions are given back to the KV pool after each step."""
+        return self.drafting and self.config.mode.needs_kv_cache_rewind()
+
+    def draft_len_for(self, batch_size: int) -> int:
+        """The runtime draft length for a generation batch of this size (0 = plain decoding),
+        from the config's per-batch-size schedule."""
+        if not self.drafting:
+            return 0
+        return get_draft_len_for_batch_size(self.config.schedule, batch_size, self.max_draft_len)
+
+    def make_gate(self) -> SpeculationGate | None:
+        """The acceptance gate, when the config asks for one."""
+        if not self.drafting or self.config.acceptance_rate_window_size <= 0:
+            return None
+        return SpeculationGate(self.config.acceptance_rate_window_size,
+                               self.config.acceptance_rate_threshold)
+
+
+def build_speculation(config: SpeculativeConfig | None, target: Llama,
+                      max_sequence_length: int | None = None) -> Speculation:
+    """Load the drafter module (a folder path in the config is read from disk, in the target's
+    dtype), make the worker or host drafter, and check them against `target`; every error is a
+    ValueError naming the field, raised before any request starts. `max_sequence_length`: the
+    context limit host drafters propose within."""
+    if config is None:
+        return Speculation()
+    if not isinstance(config, SpeculativeConfig):
+        raise ValueError(f"speculative_config must be a SpeculativeConfig (e.g. "
+                         f"specjax.NGramConfig), got {type(config).__name__}")
+    if isinstance(config, SaveHiddenStatesConfig):
+        return Speculation(config, save_hidden_states=config,
+                           save_layers=config.layers_to_capture(target.config.num_layers))
+    draft_model = None
+    if config.mode.use_one_engine():
+        draft_model = load_draft_model(config, target)
+        if isinstance(draft_model, Llama):  # the layout the steps run (see `split_model`)
+            draft_model = draft_model.unstacked()
+    return Speculation(config, worker=get_spec_worker(config, draft_model, target.config),
+                       draft_model=draft_model,
+                       drafter=get_spec_drafter(config, max_sequence_length))
+
+
+def load_draft_model(config: SpeculativeConfig, target: Llama, dtype: str | None = None):
+    """The drafter module a mode runs beside the target: a `Llama` for draft-target, an
+    `Eagle3Head` for EAGLE-3, `MTPHeads` for MTP; None for modes without one. A folder path
+    is loaded; an instance is checked against the target the same way."""
+    draft = getattr(config, "speculative_model", None)
+    dtype = dtype or target.config.dtype
+    if isinstance(config, DraftTargetConfig):
+        if not isinstance(draft, Llama):
+            draft = load_hf_checkpoint(resolve_model_path(draft), dtype=dtype)
+        if draft.config.vocab_size != target.config.vocab_size:
+            raise ValueError(f"speculative_model vocab_size {draft.config.vocab_size} differs from "
+                             f"the target's {target.config.vocab_size}: draft-target needs one "
+                             "tokenizer")
+        return draft
+    if isinstance(config, EagleConfig):
+        return _load_head(draft, lambda path: load_eagle3_head(path, dtype=dtype), target,
+                          "the EAGLE-3 head", "EagleConfig needs speculative_model: an EAGLE-3 "
+                          "head folder (public layout) or an Eagle3Head")
+    if isinstance(config, MTPConfig):
+        heads = _load_head(draft, lambda path: load_mtp_heads(path, target.config, dtype=dtype),
+                           target, "the MTP heads", "MTPConfig needs speculative_model: an MTP "
+                           "heads folder or an MTPHeads (this target ships no MTP modules)")
+        if (config.mode is SpeculativeDecodingMode.MTP
+                and heads.num_modules < config.max_draft_len):
+            raise ValueError(f"MTP with max_draft_len {config.max_draft_len} needs that many "
+                             f"modules; the heads have {heads.num_modules}")
+        return heads
+    return None
+
+
+def _load_head(draft, load, target: Llama, what: str, missing: str):
+    """A hidden-state head: loaded when `draft` is a folder path, checked against `target`."""
+    if draft is None:
+        raise ValueError(missing)
+    if isinstance(draft, str):
+        draft = load(resolve_model_path(draft))
+    check_head_matches_target(draft.config.hidden_size, draft.config.vocab_size, target.config,
+                              what)
+    return draft
+
+
+def check_head_matches_target(hidden_size: int, vocab_size: int, target: ModelConfig,
+                              what: str) -> None:
+    if hidden_size != target.hidden_size:
+        raise ValueError(f"{what} has hidden_size {hidden_size} but the target's is "
+                         f"{target.hidden_size}: it was trained for another target")
+    if vocab_size != target.vocab_size:
+        raise ValueError(f"{what} has vocab_size {vocab_size} but the target's is "
+                         f"{target.vocab_size}: it was trained for another target")
+
+
+def get_spec_worker(config: SpeculativeConfig | None, draft_model=None,
+                    target_config: ModelConfig | None = None) -> DraftWorker | None:
+    """The in-step worker for `has_spec_decoder()` modes, else None. `draft_model` is what
+    `load_draft_model` returns; hidden-state drafters also need the target's config."""
+    if config is None or not config.mode.has_spec_decoder():
+        return None
+    from specjax.speculative import workers
+    mode = config.mode
+    rs = config.use_rejection_sampling
+    if draft_model is None:
+        raise ValueError(f"{mode.name} needs its drafter module (see load_draft_model)")
+    graphdef = nnx.graphdef(draft_model.unstacked() if isinstance(draft_model, Llama)
+                            else draft_model)
+    if mode is SpeculativeDecodingMode.DRAFT_TARGET_ONE_MODEL:
+        return workers.DraftTargetWorker(graphdef, draft_model.config, rejection_sampling=rs)
+    if target_config is None:
+        raise ValueError(f"{mode.name} needs the target's config")
+    L = target_config.num_layers
+    if mode is SpeculativeDecodingMode.EAGLE3_ONE_MODEL:
+        if config.use_dynamic_tree:
+            raise NotImplementedError("EAGLE-3 dynamic trees are not implemented yet; use a "
+                                      "chain (use_dynamic_tree=False)")
+        layers = config.layers_to_capture(L, draft_model.config.aux_hidden_state_layers)
+        return workers.Eagle3Worker(graphdef, layers, rs, head_config=draft_model.config)
+    if mode is SpeculativeDecodingMode.MTP_EAGLE_ONE_MODEL:
+        return workers.MTPEagleWorker(graphdef, (L - 1,), rs, target_config=target_config)
+    if mode is SpeculativeDecodingMode.MTP:
+        return workers.MTPWorker(graphdef, (L - 1,), draft_model.num_modules, target_config, rs)
+    raise NotImplementedError(f"speculative mode {mode.name} is not implemented yet")
+
+
+def get_spec_drafter(config: SpeculativeConfig | None,
+                     max_sequence_length: int | None = None) -> Drafter | None:
+    """The host-side Drafter for `has_spec_drafter()` modes, else None."""
+    if config is None or not config.mode.has_spec_drafter():
+        return None
+    if isinstance(config, NGramConfig):
+        return NGramDrafter(config.max_draft_len, config.max_matching_ngram_size,
+                            config.is_keep_all, config.is_use_oldest, config.is_public_pool,
+                            max_sequence_length)
+    if isinstance(config, UserProvidedConfig):
+        return config._instance
+    raise NotImplementedError(f"no drafter for mode {config.mode.name}")

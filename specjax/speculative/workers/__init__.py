@@ -1,0 +1,9 @@
+"""In-step drafters (modes with `has_spec_decoder()`): each implements `specjax.core.DraftWorker`
+and runs inside the jitted steps."""
+from specjax.core.worker import DraftWorker
+from specjax.speculative.workers.chain import ChainWorker, Eagle3Worker, MTPEagleWorker
+from specjax.speculative.workers.draft_target import DraftTargetWorker
+from specjax.speculative.workers.mtp import MTPWorker
+
+__all__ = ["ChainWorker", "DraftTargetWorker", "DraftWorker", "Eagle3Worker", "MTPEagleWorker",
+           "MTPWorker"]

@@ -1,0 +1,181 @@
+"""Chain workers: EAGLE-3 and MTP-Eagle draft D tokens one after another inside the step.
+
+Per generation step (after acceptance, `lens` = accepted + 1 new tokens from position p + 1
+on): one pass over the verified rows p .. p+lens-1 (hidden states from the target, tokens = the
+new tokens) writes the drafter's K/V for the accepted prefix, and the row of the last accepted
+token (p + lens - 1) gives draft 1; each later draft is one more row, fed the previous draft and
+the drafter's own hidden_out. Rejected rows are rewritten by the next step, which starts at the
+newest token's position. Prompt chunks run the first pass over the chunk with the tokens shifted
+by one and the next prompt token -- or the sampled one -- after the last row.
+
+Every worker is a frozen (hashable) dataclass implementing `specjax.core.DraftWorker`: the
+jitted steps close over it; its parameters travel as traced arguments (`Params.draft`).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from specjax.core.batch import StepBatch
+from specjax.core.forward import PagedAttention, gather_context, take_rows
+from specjax.core.kv import KVPool, make_kv_pool
+from specjax.core.sampling import draft_tokens_and_probs
+from specjax.models.config import ModelConfig
+from specjax.models.eagle3_head import Eagle3HeadConfig
+from specjax.models.llama import dense_attention
+from specjax.models.mtp_head import target_lm_head
+from specjax.speculative.workers.common import head_pass, shift_in
+
+
+@dataclasses.dataclass(frozen=True)
+class ChainWorker:
+    """EAGLE-style chain: one layer, one pool layer, D drafts from D - 1 single-row passes."""
+
+    graphdef: nnx.GraphDef
+    capture_layers: tuple[int, ...]
+    rejection_sampling: bool = False
+
+    # -- what a concrete head provides -----------------------------------------------------
+    def _first_hidden(self, head, captured: jax.Array) -> jax.Array:
+        raise NotImplementedError
+
+    def _layer(self, head):
+        """The drafter's one layer: `qkv_and_residual`, `finish` and `run_layer`."""
+        raise NotImplementedError
+
+    def _logits(self, head, target, hidden_out: jax.Array) -> jax.Array:
+        """`[B, H]` -> float32 logits over the target vocabulary `[B, V]`."""
+        raise NotImplementedError
+
+    def _argmax(self, head, target, hidden_out: jax.Array) -> jax.Array:
+        """The greedy draft `[B]` (target ids) without materialising target-vocab logits."""
+        return jnp.argmax(self._logits(head, target, hidden_out), axis=-1).astype(jnp.int32)
+
+    def _kv_shape(self) -> tuple[int, int]:
+        raise NotImplementedError
+
+    # -- the worker interface ----------------------------------------------------------------
+    def make_kv(self, num_blocks: int, tokens_per_block: int, dtype: str) -> KVPool:
+        return make_kv_pool(1, *self._kv_shape(), num_blocks, tokens_per_block, dtype)
+
+    def catch_up(self, params, kv: KVPool, batch: StepBatch, target, captured: jax.Array,
+                 following: jax.Array, num_drafts: int = 0
+                 ) -> tuple[KVPool, jax.Array | None]:
+        """Prompt chunks: write the drafter's K/V for the chunk's rows and, given
+        `num_drafts`, draft that many tokens after each row's sampled token, so the first
+        generation step already verifies drafts. -> (kv, drafts `[B, num_drafts]` or None).
+        Not under rejection sampling: those drafts would need their distributions kept."""
+        tokens = shift_in(batch.tokens, batch.query_lens, following)
+        if num_drafts and not self.rejection_sampling:
+            kv, drafts, _ = self.draft(params, kv, batch, target, captured, tokens,
+                                       batch.query_lens, num_drafts)
+            return kv, drafts
+        head = nnx.merge(self.graphdef, params)
+        kv, _ = head_pass(self._layer(head), kv, 0, batch.replace(tokens=tokens), target,
+                          self._first_hidden(head, captured))
+        return kv, None
+
+    def draft(self, params, kv: KVPool, batch: StepBatch, target, captured: jax.Array,
+              new_tokens: jax.Array, new_lens: jax.Array, num_drafts: int
+              ) -> tuple[KVPool, jax.Array, jax.Array | None]:
+        """After acceptance: catch up over the accepted rows, then draft `num_drafts` tokens.
+
+        captured `[C, B, D+1, H]`, new_tokens `[B, D+1]`, new_lens `[B]` -> (kv, drafts
+        `[B, num_drafts]`, their distributions `[B, num_drafts, V]` or None)."""
+        head = nnx.merge(self.graphdef, params)
+        layer = self._layer(head)
+        lens = jnp.where(batch.query_lens > 0, new_lens, 0)
+        run = batch.replace(tokens=new_tokens, query_lens=lens)
+        paged = PagedAttention(run, kv.tokens_per_block)
+        q, k, v, residual = layer.qkv_and_residual(target.embed_tokens(new_tokens),
+                                                   self._first_hidden(head, captured),
+                                                   paged.positions)
+        kv = paged.write(k, v, 0, kv)  # the accepted rows: the next step's context
+        B = new_tokens.shape[0]
+        if num_drafts == 0:
+            return kv, jnp.zeros((B, 0), jnp.int32), None
+        newest = batch.start_pos + new_lens  # the newest token's position
+        last = jnp.maximum(lens - 1, 0)
+
+        def propose(hidden_out, k):  # draft k (0-based) lands at newest + 1 + k
+            if not self.rejection_sampling:
+                return self._argmax(head, target, hidden_out), None
+            return draft_tokens_and_probs(self._logits(head, target, hidden_out), batch,
+                                          newest + 1 + k, True)
+
+        # The row of the last accepted token and every chain row attend to the same pool
+        # context: gather it once, and keep the chain rows' K/V local -- the next step's
+        # catch-up rewrites those positions before anything reads them.
+        keys, values, key_pos, key_valid = gather_context(kv, 0, batch.block_tables,
+                                                          batch.start_pos + lens)
+        pos = (batch.start_pos + last)[:, None]
+        out = dense_attention(take_rows(q, last)[:, None], keys, values, pos, key_pos,
+                              k_valid=key_valid)
+        h = layer.finish(out, take_rows(residual, last)[:, None])
+        first, first_probs = propose(h[:, 0], 0)
+        # Unrolled (D is static): on XLA:CPU a scan's loop overhead costs more than these
+        # few single-row passes.
+        drafts, probs, token = [first], [first_probs], first
+        live = (lens > 0)[:, None]
+        for k in range(1, num_drafts):
+            pos = (newest + k - 1)[:, None]
+            q, k_row, v_row, residual = layer.qkv_and_residual(
+                target.embed_tokens(token[:, None]), h, pos)
+            keys = jnp.concatenate([keys, k_row.astype(keys.dtype)], axis=1)
+            values = jnp.concatenate([values, v_row.astype(values.dtype)], axis=1)
+            key_pos = jnp.concatenate([key_pos, pos], axis=1)
+            key_valid = jnp.concatenate([key_valid, live], axis=1)
+            out = dense_attention(q, keys, values, pos, key_pos, k_valid=key_valid)
+            h = layer.finish(out.astype(q.dtype), residual)
+            token, p = propose(h[:, 0], k)
+            drafts.append(token)
+            probs.append(p)
+        return kv, jnp.stack(drafts, axis=1), (None if first_probs is None
+                                               else jnp.stack(probs, axis=1))
+
+
+@dataclasses.dataclass(frozen=True)
+class Eagle3Worker(ChainWorker):
+    """EAGLE-3 (EAGLE3_ONE_MODEL): fc over three captured layers, one midlayer, draft vocab
+    mapped to the target's through d2t."""
+
+    head_config: Eagle3HeadConfig | None = None
+
+    def _first_hidden(self, head, captured):
+        return head.fuse(captured)
+
+    def _layer(self, head):
+        return head
+
+    def _logits(self, head, target, hidden_out):
+        return head.to_target_vocab(head.logits(hidden_out), -jnp.inf)
+
+    def _argmax(self, head, target, hidden_out):
+        draft_ids = jnp.argmax(head.logits(hidden_out), axis=-1).astype(jnp.int32)
+        return head.to_target_ids(draft_ids)
+
+    def _kv_shape(self):
+        return self.head_config.num_kv_heads, self.head_config.head_dim
+
+
+@dataclasses.dataclass(frozen=True)
+class MTPEagleWorker(ChainWorker):
+    """MTP-Eagle (MTP_EAGLE_ONE_MODEL): the first MTP module reused for every draft step, fed
+    the target's last residual stream (capture layer L - 1)."""
+
+    target_config: ModelConfig | None = None
+
+    def _first_hidden(self, head, captured):
+        return captured[0]
+
+    def _layer(self, head):
+        return head.modules[0]
+
+    def _logits(self, head, target, hidden_out):
+        return head.modules[0].logits(hidden_out, target_lm_head(target))
+
+    def _kv_shape(self):
+        return self.target_config.num_kv_heads, self.target_config.head_dim
