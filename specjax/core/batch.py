@@ -29,6 +29,7 @@ class StepBatch:
     seeds: jax.Array         # [B] uint32
     slots: jax.Array         # [B] int32: the request's sequence slot (padded rows: the spare)
     max_lens: jax.Array      # [B] int32: prompt + output may not exceed this many tokens
+                             # (generation steps verify no drafts past it)
     # [B] int32: the prompt token after a prompt-chunk run (-1: the run ends the prompt). Only
     # hidden-state drafters read it (their row t pairs hidden state t with token t+1).
     next_tokens: jax.Array | None = None
@@ -77,10 +78,13 @@ def set_row(batch: StepBatch, row: int, *, run: Sequence[int], start_pos: int,
             blocks: Sequence[int], slot: int, max_len: int, seed: int = 0,
             temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
             next_token: int = -1) -> None:
-    """Make `row` of an `empty_batch` real: `run` (its tokens; for steps that read runs from
-    slot state only its length matters) starts at `start_pos`, the request's K/V live in
-    `blocks` and its device-side state in `slot`. `next_token`: the prompt token after a
-    prompt-chunk run (-1: the run ends the prompt)."""
+    """Make `row` of an `empty_batch` real: `run` (its tokens) starts at `start_pos`, the
+    request's K/V live in `blocks` and its device-side state in `slot`; generation steps
+    verify no drafts past `max_len` tokens. Generation steps that read runs from slot state
+    (`specjax.core.runs_on_device`) take the run, its start and its length from the device:
+    then `run` only needs to be non-empty. `next_token`: the prompt token after a prompt-chunk
+    run (-1: the run ends the prompt; hidden-state drafters pair it with the run's last row).
+    `spare_slot` of `empty_batch` must be the state's spare (`state.slots.spare`)."""
     batch.tokens[row, :len(run)] = run
     batch.start_pos[row] = start_pos
     batch.query_lens[row] = len(run)

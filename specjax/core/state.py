@@ -14,6 +14,8 @@ from flax import nnx, struct
 
 from specjax.core.kv import KVPool, make_kv_pool
 from specjax.core.worker import DraftWorker
+from specjax.models.config import ModelConfig
+from specjax.models.llama import Llama
 
 
 @struct.dataclass
@@ -79,13 +81,12 @@ class EngineState:
     draft: KVPool | None = None  # the in-step drafter's pool (same block tables), or None
 
 
-def split_model(target: nnx.Module, draft: nnx.Module | None = None
+def split_model(target: Llama, draft: nnx.Module | None = None
                 ) -> tuple[nnx.GraphDef, Params]:
     """(the target's graph definition, `Params`) for the step functions. Stacked `Llama`
     layers are unstacked first: a decode step then reads each layer's weights in place."""
-    if hasattr(target, "unstacked"):
-        target = target.unstacked()
-    if hasattr(draft, "unstacked"):
+    target = target.unstacked()
+    if isinstance(draft, Llama):
         draft = draft.unstacked()
     graphdef, state = nnx.split(target)
     return graphdef, Params(
@@ -93,9 +94,9 @@ def split_model(target: nnx.Module, draft: nnx.Module | None = None
         draft=None if draft is None else nnx.to_pure_dict(nnx.split(draft)[1]))
 
 
-def init_state(config, *, num_slots: int, num_blocks: int, tokens_per_block: int,
+def init_state(config: ModelConfig, *, num_slots: int, num_blocks: int, tokens_per_block: int,
                max_draft_len: int = 0, worker: DraftWorker | None = None) -> EngineState:
-    """Zeroed device state for a target with `config` (a `ModelConfig`): its pool, slot state
+    """Zeroed device state for a target with `config`: its pool, slot state
     for `num_slots` requests and drafts up to `max_draft_len`, and the worker's pool. Draft
     distributions are kept when the worker does rejection sampling."""
     keep_probs = worker is not None and worker.rejection_sampling

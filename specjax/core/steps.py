@@ -38,14 +38,20 @@ def runs_on_device(worker: DraftWorker | None, draft_len: int) -> bool:
 
 
 def runs_from_slots(batch: StepBatch, slots: SlotState, D: int) -> StepBatch:
-    """Take each row's run from slot state: its newest token and as many of its drafts as the
-    runtime length and the room left allow. Rows the host marked real (query_lens > 0) stay
-    real; padded rows stay empty."""
-    start = slots.start[batch.slots]
-    room = batch.max_lens - start - 2  # a step emits drafts + 1 tokens after the newest
-    drafts = jnp.clip(jnp.minimum(slots.num_drafts[batch.slots], jnp.minimum(D, room)), 0)
-    return batch.replace(tokens=slots.run[batch.slots, :D + 1], start_pos=start,
+    """Take each row's run from slot state: its newest token and up to D of its drafts. Rows
+    the host marked real (query_lens > 0) stay real; padded rows stay empty."""
+    drafts = jnp.minimum(slots.num_drafts[batch.slots], D)
+    return batch.replace(tokens=slots.run[batch.slots, :D + 1],
+                         start_pos=slots.start[batch.slots],
                          query_lens=jnp.where(batch.query_lens > 0, 1 + drafts, 0))
+
+
+def clip_to_room(batch: StepBatch) -> StepBatch:
+    """Verify no more drafts than the row's `max_lens` leaves room for: a step emits
+    drafts + 1 tokens after the newest one, whoever drafted them."""
+    room = batch.max_lens - batch.start_pos - 2
+    drafts = jnp.clip(jnp.minimum(batch.query_lens - 1, room), 0)
+    return batch.replace(query_lens=jnp.where(batch.query_lens > 0, 1 + drafts, 0))
 
 
 def _capture_layers(worker: DraftWorker | None, save_layers: tuple[int, ...]) -> tuple[int, ...]:
@@ -100,6 +106,7 @@ def make_generation_step(graphdef: nnx.GraphDef, worker: DraftWorker | None = No
         D = batch.tokens.shape[1] - 1
         if runs_on_device(worker, D):
             batch = runs_from_slots(batch, state.slots, D)
+        batch = clip_to_room(batch)
         model = nnx.merge(graphdef, params.target)
         kv_target, hidden, captured = paged_forward(model, state.target, batch, capture)
         logits = model.logits(hidden)
