@@ -8,6 +8,7 @@ from pathlib import Path
 
 from specjax.train import corpus, target
 from specjax.train import tokenizer_training as toks
+from specjax.train.workdir import WORK_DIR
 
 DRAFT_DEFAULTS = dict(d_model=128, layers=2, heads=4, kv_heads=2, head_dim=32, ffn=384)
 
@@ -23,7 +24,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     # A draft must tokenize exactly like its target: start from the target's tokenizer and
     # manifest, which the target recipe then reuses instead of training its own.
     if args.restart:  # the target recipe's restart would also drop the copied tokenizer
-        shutil.rmtree(args.out / target.WORK_DIR, ignore_errors=True)
+        shutil.rmtree(args.out / WORK_DIR, ignore_errors=True)
         args.restart = False
     args.out.mkdir(parents=True, exist_ok=True)
     for name in (toks.TOKENIZER_NAME, corpus.MANIFEST_NAME):

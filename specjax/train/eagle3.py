@@ -11,7 +11,8 @@ from pathlib import Path
 
 from specjax.speculative.config import default_eagle3_layers
 from specjax.models.eagle3_checkpoint import save_eagle3_head
-from specjax.train import heads
+from specjax.train.heads import cli
+from specjax.train.heads.spec import HeadSpec
 
 
 def _layers(text: str) -> tuple[int, ...]:
@@ -22,7 +23,7 @@ def _layers(text: str) -> tuple[int, ...]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    heads.add_arguments(p, "eagle3")
+    cli.add_arguments(p, "eagle3")
     p.add_argument("--draft-vocab", type=int, default=None,
                    help="draft vocabulary size (default: the whole target vocabulary); smaller "
                         "keeps the most frequent training tokens (d2t/t2d maps)")
@@ -31,7 +32,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(1, L//2 - 1, L - 4))")
 
 
-def export(out: Path, head, target, spec: heads.HeadSpec, log: dict) -> None:
+def export(out: Path, head, target, spec: HeadSpec, log: dict) -> None:
     # config.json records the capture layers (eagle_config.eagle_aux_hidden_state_layer_ids,
     # as public EAGLE-3 configs do): EagleConfig uses them unless told otherwise.
     assert head.config.aux_hidden_state_layers == tuple(spec.capture_layers)
@@ -44,4 +45,4 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         layers = args.layers if args.layers is not None else default_eagle3_layers(cfg.num_layers)
         return dict(capture_layers=tuple(layers), draft_vocab=args.draft_vocab or cfg.vocab_size)
 
-    return heads.run("eagle3", args, argv, fields, export)
+    return cli.run("eagle3", args, argv, fields, export)

@@ -12,11 +12,12 @@ from pathlib import Path
 
 from specjax.models.config import DTYPES
 from specjax.models.mtp_checkpoint import save_mtp_heads
-from specjax.train import heads
+from specjax.train.heads import cli
+from specjax.train.heads.spec import HeadSpec
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    heads.add_arguments(p, "mtp")
+    cli.add_arguments(p, "mtp")
     p.add_argument("--num-modules", type=int, default=3,
                    help="MTP modules (1 = MTP-Eagle, one module reused for every draft step)")
     p.add_argument("--save-dtype", default="bfloat16", choices=DTYPES,
@@ -24,8 +25,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> int:
-    def export(out: Path, head, target, spec: heads.HeadSpec, log: dict) -> None:
+    def export(out: Path, head, target, spec: HeadSpec, log: dict) -> None:
         save_mtp_heads(head, out, dtype=args.save_dtype)
         log["save_dtype"] = args.save_dtype
 
-    return heads.run("mtp", args, argv, lambda cfg: dict(num_modules=args.num_modules), export)
+    return cli.run("mtp", args, argv, lambda cfg: dict(num_modules=args.num_modules), export)

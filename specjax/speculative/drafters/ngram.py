@@ -33,7 +33,8 @@ class NGramDrafter(Drafter):
         return self._public if self.is_public_pool else self._pools.setdefault(request_id, {})
 
     def propose(self, token_ids: Sequence[int], max_draft_len: int) -> list[int]:
-        # Without a request id there is no per-request index; use a throwaway one.
+        # Without a request id nothing remembers what was indexed: each call indexes the whole
+        # sequence again (into the shared pool with is_public_pool). `propose_for` is linear.
         proposal = self.propose_for(-1, token_ids, max_draft_len)
         self.on_request_finished(-1)
         return proposal

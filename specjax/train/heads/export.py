@@ -1,0 +1,106 @@
+"""The export folder of a trained head: weights (written by the kind's exporter), the training
+log, the model card, and the size check every shipped head must pass."""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+from pathlib import Path
+from typing import Callable
+
+import jax
+
+from specjax.train.heads.spec import HeadSpec
+from specjax.train.workdir import LOG_NAME, wall_seconds
+
+SIZE_LIMIT_BYTES = 10_000_000  # every shipped head folder must stay under 10 MB
+
+
+def folder_bytes(folder: Path) -> int:
+    return sum(f.stat().st_size for f in folder.iterdir() if f.is_file())
+
+
+def check_size(folder: Path, limit: int = SIZE_LIMIT_BYTES) -> int:
+    size = folder_bytes(folder)
+    if size > limit:
+        raise SystemExit(f"{folder} holds {size / 1e6:.2f} MB > the {limit / 1e6:.0f} MB limit for "
+                         "a shipped head (use a smaller --draft-vocab or --save-dtype bfloat16)")
+    return size
+
+
+def export_head(out: Path, head, target, spec: HeadSpec, args: argparse.Namespace, log: dict,
+                table: str, export_fn: Callable) -> int:
+    """Replace the folder's previous export; -> its size in bytes (checked against the limit).
+    export_fn(out, head, target, spec, log) writes the weights (and may add to the log)."""
+    for name in ("model.safetensors", "config.json", "MODEL_CARD.md", LOG_NAME):
+        (out / name).unlink(missing_ok=True)
+    export_fn(out, head, target, spec, log)
+    (out / LOG_NAME).write_text(json.dumps(log, indent=0) + "\n")
+    write_model_card(out, spec, args, log, table)
+    return check_size(out)
+
+
+def write_model_card(out: Path, spec: HeadSpec, args: argparse.Namespace, log: dict,
+                     table: str) -> None:
+    tc = log["train_config"]
+    wall = wall_seconds(log["entries"])
+    val = next((e for e in reversed(log["entries"]) if "val_loss" in e), None)
+    if spec.kind == "eagle3":
+        what = (f"an EAGLE-3 draft head for `{args.target.name}`: fc over the target's residual "
+                f"streams after layers {list(spec.capture_layers)} (0-based), one decoder "
+                f"midlayer, a {spec.draft_vocab}-token draft vocabulary"
+                + (" (the whole target vocabulary)" if spec.draft_vocab == log["vocab_size"]
+                   else " (the most frequent training tokens; `d2t`/`t2d` map them)"))
+        files = "public EAGLE-3 layout (`config.json` + `model.safetensors`, float32)"
+        use = (f"EagleConfig(max_draft_len={spec.depth}, speculative_model=\"{out}\", "
+               f"eagle3_layers_to_capture={tuple(spec.capture_layers)})")
+        training = (f"training-time test: the head's chain unrolled over {spec.depth} steps as "
+                    "the engine drafts it (step j attends to the step-1 keys of the accepted "
+                    "prefix plus the chain's own keys)")
+    else:
+        modules = ("an MTP-Eagle module (one module reused for every draft step)"
+                   if spec.num_modules == 1
+                   else f"{spec.num_modules} MTP modules (module k drafts token k)")
+        what = (f"{modules} for `{args.target.name}`, each a target-style decoder layer on "
+                "eh_proj(concat(enorm(embedding), hnorm(hidden))); the LM head is the target's")
+        files = (f"`config.json` + `model.safetensors` in the specjax MTP layout "
+                 f"(`specjax.models.mtp_checkpoint`, {log['save_dtype']})")
+        use = (f"MTPConfig(max_draft_len={spec.depth}, num_nextn_predict_layers="
+               f"{spec.num_modules}, use_mtp_vanilla={spec.num_modules > 1}, "
+               f"speculative_model=\"{out}\")")
+        training = ("training-time test over the reused module's chain" if spec.chain
+                    else "the dense MTP chain (module k reads module k-1's hidden state)")
+    lines = [
+        f"# {out.name}: {spec.label} draft head for {args.target.name}\n",
+        f"{what[0].upper()}{what[1:]}. Trained by `specjax.train` on the frozen target's own "
+        "predictions; the target's weights are unchanged.\n",
+        "## Files\n",
+        f"- weights: {files}; {folder_bytes(out) / 1e6:.1f} MB in all "
+        f"(the exporter refuses more than {SIZE_LIMIT_BYTES / 1e6:.0f} MB)",
+        f"- use: `specjax.LLM(\"{args.target}\", speculative_config={use})`",
+        "- `training_log.json`: arguments, loss curve, the report below\n",
+        "## Training\n",
+        f"- command: `{log['commands'][-1]}`",
+        *(["- resumed; invocations in order: " + "; ".join(f"`{c}`" for c in log["commands"])]
+          if len(log["commands"]) > 1 else []),
+        f"- data: {log['data']}",
+        f"- labels: the target's next-token distribution (soft cross-entropy); {training}; "
+        f"step j weighted {spec.step_weight}^(j-1)",
+        f"- {tc['steps']} steps of {tc['batch_size']} x {tc['seq_len']} tokens; AdamW (b1 "
+        f"{tc['b1']}, b2 {tc['b2']}, weight decay {tc['weight_decay']}), peak lr {tc['lr']:g}, "
+        f"{tc['warmup']} warm-up steps, cosine to {tc['lr'] * tc['min_lr_ratio']:g}, clip "
+        f"{tc['clip_norm']}",
+        f"- hardware: {platform.machine()} CPU, JAX {jax.__version__}"
+        + (f", {wall / 60:.0f} min wall time" if wall else ""),
+        *([f"- final validation loss {val['val_loss']:.4f} (first {tc['eval_windows']} windows)"]
+          if val else []),
+        "\n## Acceptance (validation split)\n",
+        "Greedy decoding: depth k agrees when the head's top-1 token equals the target's own "
+        "argmax choice k tokens ahead; conditional agreement is over anchors whose depths "
+        "1..k-1 all agreed; E[AL] = 1 + mean number of leading agreeing depths (tokens per "
+        "target step).\n",
+        table,
+        f"\n_Exported {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC._\n",
+    ]
+    (out / "MODEL_CARD.md").write_text("\n".join(lines))

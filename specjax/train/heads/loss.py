@@ -1,0 +1,56 @@
+"""The head's loss: sum over chain steps j of step_weight^(j-1) x the mean soft cross-entropy of
+step j against the target's next-token distribution. For an EAGLE-3 head with a reduced draft
+vocabulary the target's logits are gathered at the draft ids and renormalised (as the public
+EAGLE-3 recipe does)."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from specjax.models import Llama
+from specjax.train.heads.chain import (draft_to_target_ids, run_chain, shift_rows,
+                                       teacher_forced_step_tokens)
+from specjax.train.heads.spec import HeadSpec
+
+
+def target_outputs(spec: HeadSpec, target: Llama, tokens: jax.Array,
+                   captured: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """-> (target logits `[B, T+1, V]`, captured `[len(needed_layers), B, T+1, H]`), computed by
+    the target's forward, or from saved hidden states (labels: logits of layer L-1's stream)."""
+    if captured is None:
+        logits, captured = target.forward(tokens, capture_layers=spec.needed_layers)
+    else:
+        logits = target.logits(captured[-1])
+    return jax.lax.stop_gradient(logits), jax.lax.stop_gradient(captured)
+
+
+def head_loss(spec: HeadSpec, head, target: Llama, tokens: jax.Array, valid: jax.Array,
+              target_logits: jax.Array, captured: jax.Array) -> tuple[jax.Array, dict]:
+    """The TTT / dense-chain soft cross-entropy on one batch (see the package and module docstrings).
+    tokens, valid `[B, T+1]`; target_logits `[B, T+1, V]`. -> (loss, per-step metrics)."""
+    K, T = spec.depth, tokens.shape[1] - 1
+    step_logits = run_chain(spec, head, target, captured, teacher_forced_step_tokens(tokens, K))
+    if spec.kind == "eagle3":
+        label_logits = jnp.take(target_logits,
+                                head.to_target_ids(jnp.arange(spec.draft_vocab)), axis=-1)
+    else:
+        label_logits = target_logits
+    target_choice = jnp.argmax(target_logits, axis=-1)
+    loss, kl, step_losses, step_acc = 0.0, 0.0, [], []
+    for j, logits in enumerate(step_logits):
+        mask = shift_rows(valid, j + 1, T, fill=False).astype(jnp.float32)
+        count = jnp.maximum(mask.sum(), 1.0)
+        label_logp = jax.nn.log_softmax(shift_rows(label_logits, j + 1, T), axis=-1)
+        probs = jnp.exp(label_logp)
+        ce = -(probs * jax.nn.log_softmax(logits, axis=-1)).sum(-1)
+        entropy = -(probs * label_logp).sum(-1)
+        step_loss = (ce * mask).sum() / count
+        kl = kl + spec.step_weight ** j * (step_loss - (entropy * mask).sum() / count)
+        agree = draft_to_target_ids(spec, head, jnp.argmax(logits, -1)) == \
+            shift_rows(target_choice, j + 1, T)
+        step_losses.append(step_loss)
+        step_acc.append((agree * mask).sum() / count)
+        loss = loss + spec.step_weight ** j * step_loss
+    # kl: the loss less the labels' own entropy (0 for a head that matches the target).
+    return loss, {"step_loss": jnp.stack(step_losses), "step_acc": jnp.stack(step_acc),
+                  "kl": kl}

@@ -1,0 +1,69 @@
+"""`python -m specjax.train eagle3|mtp` end to end on a tiny target folder."""
+import inspect
+import json
+import textwrap
+
+import pytest
+from flax import nnx
+
+from head_helpers import TARGET, random_fill
+from specjax.models import Llama, save_hf_checkpoint
+from specjax.models.eagle3_checkpoint import load_eagle3_head
+from specjax.models.mtp_checkpoint import load_mtp_heads
+from specjax.train import corpus
+from specjax.train import tokenizer_training as toks
+from specjax.train.__main__ import main
+
+
+@pytest.fixture(scope="module")
+def target_folder(tmp_path_factory):
+    """A tiny target folder as `train target` writes it: weights, tokenizer, corpus manifest."""
+    root = tmp_path_factory.mktemp("stdlib")
+    source = inspect.getsource(textwrap)
+    for i in range(30):  # mod28.py lands in the validation split
+        (root / f"mod{i}.py").write_text(source[i * 400: i * 400 + 1200])
+    folder = tmp_path_factory.mktemp("target")
+    manifest = corpus.build_manifest(root)
+    corpus.write_manifest(manifest, folder / corpus.MANIFEST_NAME)
+    tok = toks.train_tokenizer(corpus.read_documents(manifest, "train", root), 300)
+    toks.save_tokenizer(tok, folder)
+    config = TARGET.replace(vocab_size=tok.get_vocab_size(), bos_token_id=0, eos_token_id=0)
+    save_hf_checkpoint(random_fill(Llama(config, rngs=nnx.Rngs(0)), seed=0, scale=0.1), folder)
+    return folder, root, config
+
+
+CLI_FLAGS = ["--steps", "3", "--batch-size", "2", "--seq-len", "16", "--warmup", "1",
+             "--eval-windows", "2", "--report-windows", "2", "--no-progress", "--depth", "2"]
+
+
+def test_cli_eagle3_end_to_end(target_folder, tmp_path, monkeypatch, capsys):
+    folder, root, config = target_folder
+    monkeypatch.setattr(corpus, "stdlib_root", lambda: root)
+    out = tmp_path / "eagle3"
+    assert main(["eagle3", "--target", str(folder), "--out", str(out), "--draft-vocab", "200",
+                 *CLI_FLAGS]) == 0
+    head = load_eagle3_head(out)
+    assert head.config.draft_vocab_size == 200 and head.config.vocab_size == config.vocab_size
+    assert json.loads((out / "config.json").read_text())["eagle_config"] == {
+        "eagle_aux_hidden_state_layer_ids": [1, 3, 4]}  # the default for 8 layers
+    size = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
+    assert size <= 10_000_000
+    log = json.loads((out / "training_log.json").read_text())
+    assert log["report"]["depth"] == 2 and log["commands"][-1].startswith(
+        "python -m specjax.train eagle3 --target")
+    assert "E[AL]" in capsys.readouterr().out
+    assert "E[AL]" in (out / "MODEL_CARD.md").read_text()
+
+
+def test_cli_mtp_end_to_end(target_folder, tmp_path, monkeypatch):
+    folder, root, config = target_folder
+    monkeypatch.setattr(corpus, "stdlib_root", lambda: root)
+    out = tmp_path / "mtp"
+    assert main(["mtp", "--target", str(folder), "--out", str(out), "--num-modules", "2",
+                 *CLI_FLAGS]) == 0
+    heads_ = load_mtp_heads(out, config)
+    assert heads_.num_modules == 2
+    assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    assert sum(f.stat().st_size for f in out.iterdir() if f.is_file()) <= 10_000_000
+    assert json.loads((out / "training_log.json").read_text())["report"]["depth"] == 2
+
