@@ -1,0 +1,11 @@
+"""Speculative decoding configs, one class per mode family. Importing this package registers
+every config class, so `SpeculativeConfig.from_dict` / `from_json` know every stored mode."""
+from specjax.speculative.config.base import SpeculativeConfig
+from specjax.speculative.config.token_drafters import (DraftTargetConfig, NGramConfig,
+                                                 UserProvidedConfig)
+from specjax.speculative.config.heads import (EagleConfig, MTPConfig, SaveHiddenStatesConfig,
+                                              default_eagle3_layers)
+
+__all__ = ["DraftTargetConfig", "EagleConfig", "MTPConfig", "NGramConfig",
+           "SaveHiddenStatesConfig", "SpeculativeConfig", "UserProvidedConfig",
+           "default_eagle3_layers"]
