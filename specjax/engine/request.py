@@ -91,7 +91,8 @@ class Request:
     def tokens(self, start: int, end: int) -> list[int]:
         """Tokens start .. end-1 of prompt + output."""
         P = len(self.prompt_ids)
-        return self.prompt_ids[start:min(end, P)] + self.output_ids[max(start - P, 0):max(end - P, 0)]
+        return (self.prompt_ids[start:min(end, P)]
+                + self.output_ids[max(start - P, 0):max(end - P, 0)])
 
     @property
     def last_token(self) -> int:
