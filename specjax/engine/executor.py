@@ -43,7 +43,7 @@ class Executor:
         self.prefill_step = make_prefill_step(graphdef, worker, save_layers)
         self.generation_step = make_generation_step(graphdef, worker, save_layers)
         self.blocks_per_seq = blocks_per_seq
-        self.spare_slot = max_batch_size
+        self.spare_slot = state.slots.spare  # the slot padded rows write to
         self.prefill_chunk = prefill_chunk
         self.decode_buckets = power_of_two_buckets(max_batch_size)
         self.prefill_buckets = power_of_two_buckets(max_prefill_rows)
@@ -63,8 +63,8 @@ class Executor:
         return self._launch(self.prefill_step, runs, self.prefill_chunk, self.prefill_buckets)
 
     def launch_generation(self, rows: list[GenerationRow], draft_len: int) -> DispatchedStep:
-        """[newest token, host drafts] per row (steps that read runs from the device only use
-        the length); each request remembers this step's reservation and largest advance."""
+        """[newest token, host drafts] per row (steps that read runs from the device take them
+        from slot state); each request remembers this step's reservation and largest advance."""
         runs = [(row.request, [row.request.last_token] + row.request.draft_tokens[:row.drafted],
                  -1) for row in rows]
         self._step_id += 1
