@@ -1,4 +1,5 @@
-"""Argument checks shared by the request API, the engine and the HTTP server.
+"""Argument checks shared by the request API, the engine and the HTTP server, and the one
+table of bounds (`BOUNDS`) every value that reaches a device array is checked against.
 
 Every check raises `InvalidArgument` (a `ValueError`) whose message names the argument and
 whose `param` attribute holds that name, so the server can answer with an OpenAI-style error
@@ -8,11 +9,67 @@ runs the same functions before it opens a response.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Sequence
 
 import numpy as np
 
-MAX_SEED = 2**32  # seeds key a uint32 PRNG stream
+INT32_MAX = 2**31 - 1
+UINT32_MAX = 2**32 - 1
+FLOAT32_TINY = 1.1754943508222875e-38   # the smallest normal float32: below it, 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Bound:
+    """What one value may hold: its meaning's range, inside the dtype of the device array it
+    is written to (`dtype`), so that no accepted value can overflow, wrap or turn to NaN
+    there. `low_open` excludes `low` itself; `zero_ok` allows an exact 0 below `low` (the
+    "off" value of a parameter whose positive range starts higher)."""
+
+    low: float
+    high: float
+    dtype: str
+    low_open: bool = False
+    zero_ok: bool = False
+    integer: bool = False
+
+    def describe(self) -> str:
+        lo, hi = _fmt(self.low), _fmt(self.high)
+        interval = f"{'(' if self.low_open else '['}{lo}, {hi}]"
+        return f"0 or in {interval}" if self.zero_ok else f"in {interval}"
+
+
+def _fmt(x: float) -> str:
+    if isinstance(x, int) and x >= 2**16:
+        return f"2**{x.bit_length()}-1" if (x + 1) & x == 0 else str(x)
+    return f"{x:g}"
+
+
+# Every per-request value that reaches a device array (core/batch.py's StepBatch), with the
+# range it is checked against at validation. Token ids are bounded by the vocabulary and
+# lengths by the context, which are model facts (`check_prompt`, `check_stop_token_ids`).
+BOUNDS: dict[str, Bound] = {
+    # StepBatch.max_lens is int32; the context cuts it further (`check_room`).
+    "max_tokens": Bound(1, INT32_MAX, "int32", integer=True),
+    # logits / temperature in float32: below 1e-5 the quotient can overflow to inf (and the
+    # softmax to NaN); 0 means greedy.
+    "temperature": Bound(1e-5, 1e4, "float32", zero_ok=True),
+    # int32; 0 is off, and any k >= the vocabulary keeps every token.
+    "top_k": Bound(0, INT32_MAX, "int32", integer=True),
+    # float32: a positive value under the smallest normal float32 would round to 0, and
+    # top_p = 0 keeps nothing.
+    "top_p": Bound(FLOAT32_TINY, 1, "float32"),
+    "min_p": Bound(0, 1, "float32"),
+    # uint32 PRNG seeds.
+    "seed": Bound(0, UINT32_MAX, "uint32", integer=True),
+}
+MAX_SEED = UINT32_MAX + 1
+
+
+def shown(value: Any, limit: int = 60) -> str:
+    """`repr(value)`, cut to `limit` characters: error messages never echo unbounded input."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 class InvalidArgument(ValueError):
@@ -30,18 +87,34 @@ def _is_int(value: Any) -> bool:
 def check_int(name: str, value: Any, low: int | None = None, high: int | None = None) -> None:
     """An int (never a bool) in [low, high]."""
     if not _is_int(value):
-        raise InvalidArgument(name, f"{name} must be an int, got {type(value).__name__} {value!r}")
+        raise InvalidArgument(name, f"{name} must be an int, got {type(value).__name__} "
+                                    f"{shown(value)}")
     if low is not None and value < low:
-        raise InvalidArgument(name, f"{name} must be >= {low}, got {value}")
+        raise InvalidArgument(name, f"{name} must be >= {low}, got {shown(value)}")
     if high is not None and value > high:
-        raise InvalidArgument(name, f"{name} must be <= {high}, got {value}")
+        raise InvalidArgument(name, f"{name} must be <= {high}, got {shown(value)}")
 
 
 def check_number(name: str, value: Any) -> None:
     """A real number: int or float, not a bool and not NaN."""
     if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) \
             or value != value:
-        raise InvalidArgument(name, f"{name} must be a number, got {value!r}")
+        raise InvalidArgument(name, f"{name} must be a number, got {shown(value)}")
+
+
+def check_bound(name: str, value: Any, bound: Bound | None = None) -> None:
+    """`value` within `bound` (default: `BOUNDS[name]`), with a message naming the range."""
+    b = bound or BOUNDS[name]
+    if b.integer:
+        check_int(name, value)
+    else:
+        check_number(name, value)
+    if b.zero_ok and value == 0:
+        return
+    below = value <= b.low if b.low_open else value < b.low
+    if below or value > b.high:
+        raise InvalidArgument(name, f"{name} must be {b.describe()} ({b.dtype} on the "
+                                    f"device), got {shown(value)}")
 
 
 def check_max_tokens(value: Any, cap: int | None = None) -> None:
@@ -49,46 +122,56 @@ def check_max_tokens(value: Any, cap: int | None = None) -> None:
     check_int("max_tokens", value, low=1)
     if cap is not None and value > cap:
         raise InvalidArgument("max_tokens", f"max_tokens must be <= {cap} (this server's "
-                                            f"limit), got {value}")
+                                            f"limit), got {shown(value)}")
+    check_bound("max_tokens", value)
 
 
 def check_temperature(value: Any, high: float | None = None) -> None:
     check_number("temperature", value)
     if value < 0:
-        raise InvalidArgument("temperature", f"temperature must be >= 0, got {value}")
+        raise InvalidArgument("temperature", f"temperature must be >= 0, got {shown(value)}")
     if high is not None and value > high:
-        raise InvalidArgument("temperature", f"temperature must be <= {high:g}, got {value}")
+        raise InvalidArgument("temperature", f"temperature must be <= {high:g}, "
+                                             f"got {shown(value)}")
+    check_bound("temperature", value)
 
 
 def check_top_k(value: Any) -> None:
-    check_int("top_k", value, low=0)
+    check_bound("top_k", value)
 
 
 def check_top_p(value: Any) -> None:
     check_number("top_p", value)
     if not 0 < value <= 1:
-        raise InvalidArgument("top_p", f"top_p must be in (0, 1], got {value}")
+        raise InvalidArgument("top_p", f"top_p must be in (0, 1], got {shown(value)}")
+    check_bound("top_p", value)
 
 
 def check_min_p(value: Any) -> None:
-    check_number("min_p", value)
-    if not 0 <= value <= 1:
-        raise InvalidArgument("min_p", f"min_p must be in [0, 1], got {value}")
+    check_bound("min_p", value)
 
 
 def check_seed(value: Any) -> None:
-    if value is None:
-        return
-    check_int("seed", value, low=0)
-    if value >= MAX_SEED:
-        raise InvalidArgument("seed", f"seed must be < 2**32, got {value}")
+    if value is not None:
+        check_bound("seed", value)
+
+
+def check_room(prompt_len: int, max_tokens: int, max_len: int, param: str = "max_tokens"
+               ) -> None:
+    """The prompt and the output it asks for fit in the context (the server's rule: a client
+    that names a length gets it or a 400, never a silent cut)."""
+    if prompt_len + max_tokens > max_len:
+        raise InvalidArgument(param, f"{param} is {max_tokens} but the prompt has "
+                                     f"{prompt_len} tokens and the context holds {max_len} "
+                                     f"(max_model_len): at most {max(max_len - prompt_len, 0)} "
+                                     f"tokens can be generated")
 
 
 def check_stop(stop: Sequence[Any], max_count: int | None = None) -> None:
     """Non-empty strings; at most `max_count` of them where a server sets a limit."""
     for s in stop:
         if not isinstance(s, str) or not s:
-            raise InvalidArgument("stop", f"stop must hold non-empty strings, got {s!r}")
+            raise InvalidArgument("stop", f"stop must hold non-empty strings, got {shown(s)}")
     if max_count is not None and len(stop) > max_count:
         raise InvalidArgument("stop", f"stop may hold at most {max_count} strings, "
                                       f"got {len(stop)}")
@@ -113,7 +196,7 @@ def check_sampling_fields(params: Any) -> None:
     check_stop(params.stop)
     check_stop_token_ids(params.stop_token_ids)
     if not isinstance(params.ignore_eos, bool):
-        raise InvalidArgument("ignore_eos", f"ignore_eos must be a bool, got {params.ignore_eos!r}")
+        raise InvalidArgument("ignore_eos", f"ignore_eos must be a bool, got {shown(params.ignore_eos)}")
 
 
 def check_prompt(prompt_ids: Sequence[Any], vocab_size: int, max_len: int,
@@ -125,7 +208,7 @@ def check_prompt(prompt_ids: Sequence[Any], vocab_size: int, max_len: int,
         raise InvalidArgument(param, f"{where}prompt is empty")
     for t in prompt_ids:
         if not _is_int(t) or not 0 <= t < vocab_size:
-            raise InvalidArgument(param, f"{where}prompt token id {t!r} is outside the "
+            raise InvalidArgument(param, f"{where}prompt token id {shown(t)} is outside the "
                                          f"vocabulary [0, {vocab_size})")
     if len(prompt_ids) >= max_len:
         raise InvalidArgument(param, f"{where}prompt has {len(prompt_ids)} tokens; the context "
@@ -155,6 +238,6 @@ def check_unsupported(name: str, value: Any, allowed: Sequence[Any] = (None,)) -
             continue
         if isinstance(value, bool) == isinstance(ok, bool) and value == ok:
             return
-    shown = " or ".join(repr(v) if v is not None else "null" for v in allowed)
-    raise InvalidArgument(name, f"{name} is not supported by specjax (it must be {shown}), "
-                                f"got {value!r}")
+    allowed_text = " or ".join(repr(v) if v is not None else "null" for v in allowed)
+    raise InvalidArgument(name, f"{name} is not supported by specjax (it must be {allowed_text}), "
+                                f"got {shown(value)}")

@@ -48,8 +48,9 @@ class RequestOutput:
     prompt_token_ids: list[int]
     token_ids: list[int]
     text: str
-    finish_reason: str | None      # "stop", "length", "abort" or None while running
+    finish_reason: str | None      # "stop", "length", "abort", "error"; None while running
     stats: RequestStats
+    error: str | None = None       # with "error": what failed (this request alone)
 
     @property
     def finished(self) -> bool:
@@ -74,6 +75,7 @@ class Request:
     latest_advance: int = 0       # tokens that step may add
     finish_reason: str | None = None
     text: str = ""
+    error: str | None = None      # why the engine failed this request (finish_reason "error")
     stats: RequestStats = dataclasses.field(default_factory=RequestStats)
 
     def __post_init__(self):
@@ -109,4 +111,4 @@ class Request:
 
     def output(self) -> RequestOutput:
         return RequestOutput(self.request_id, list(self.prompt_ids), list(self.output_ids),
-                             self.text, self.finish_reason, self.stats)
+                             self.text, self.finish_reason, self.stats, self.error)
