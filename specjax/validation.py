@@ -196,7 +196,8 @@ def check_sampling_fields(params: Any) -> None:
     check_stop(params.stop)
     check_stop_token_ids(params.stop_token_ids)
     if not isinstance(params.ignore_eos, bool):
-        raise InvalidArgument("ignore_eos", f"ignore_eos must be a bool, got {shown(params.ignore_eos)}")
+        raise InvalidArgument("ignore_eos", f"ignore_eos must be a bool, "
+                                            f"got {shown(params.ignore_eos)}")
 
 
 def check_prompt(prompt_ids: Sequence[Any], vocab_size: int, max_len: int,
@@ -241,3 +242,21 @@ def check_unsupported(name: str, value: Any, allowed: Sequence[Any] = (None,)) -
     allowed_text = " or ".join(repr(v) if v is not None else "null" for v in allowed)
     raise InvalidArgument(name, f"{name} is not supported by specjax (it must be {allowed_text}), "
                                 f"got {shown(value)}")
+
+
+def check_draft_tokens(tokens: Any, max_draft_len: int, vocab_size: int) -> list[int]:
+    """A host drafter's proposal, before it reaches a device array: a sequence of at most
+    `max_draft_len` token ids inside the vocabulary. Returns it as a list of ints."""
+    try:
+        drafts = list(tokens)
+    except TypeError:
+        raise InvalidArgument("drafts", f"a drafter must return a sequence of token ids, got "
+                                        f"{type(tokens).__name__}") from None
+    if len(drafts) > max_draft_len:
+        raise InvalidArgument("drafts", f"the drafter proposed {len(drafts)} tokens; at most "
+                                        f"{max_draft_len} were asked for")
+    for t in drafts:
+        if not _is_int(t) or not 0 <= t < vocab_size:
+            raise InvalidArgument("drafts", f"the drafter proposed token id {shown(t)}, "
+                                            f"outside the vocabulary [0, {vocab_size})")
+    return [int(t) for t in drafts]

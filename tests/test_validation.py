@@ -1,17 +1,23 @@
 """specjax.validation: one set of checks and messages for SamplingParams, Engine.validate and
 the server; every error names its argument in `param` and in the message."""
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from specjax import SamplingParams
-from specjax.validation import (InvalidArgument, check_int, check_max_tokens, check_prompt,
-                                check_request, check_stop, check_temperature, check_unsupported)
+from specjax.core.batch import empty_batch
+from specjax.core.sampling import filter_logits
+from specjax.validation import (BOUNDS, InvalidArgument, check_bound, check_draft_tokens,
+                                check_int, check_max_tokens, check_prompt, check_request,
+                                check_room, check_stop, check_temperature, check_unsupported)
 
 
 @pytest.mark.parametrize("kwargs, param", [
     (dict(max_tokens=0), "max_tokens"), (dict(temperature=-1), "temperature"),
     (dict(top_k=-1), "top_k"), (dict(top_p=0.0), "top_p"), (dict(min_p=-0.1), "min_p"),
-    (dict(seed=2**32), "seed"), (dict(stop=[3]), "stop"), (dict(stop_token_ids=[1.5]), "stop_token_ids"),
+    (dict(seed=2**32), "seed"), (dict(top_k=2**31), "top_k"),
+    (dict(temperature=1e-7), "temperature"), (dict(stop=[3]), "stop"), (dict(stop_token_ids=[1.5]), "stop_token_ids"),
     (dict(ignore_eos="yes"), "ignore_eos"), (dict(temperature=True), "temperature"),
 ])
 def test_sampling_params_errors_carry_the_param(kwargs, param):
@@ -78,3 +84,70 @@ def test_request_checks_params_again(tiny_llm):
     with pytest.raises(InvalidArgument, match="sampling_params must be a SamplingParams"):
         check_request([1], {"max_tokens": 3}, SamplingParams, 8, 4)
     assert not tiny_llm.engine.has_unfinished()
+
+
+_BATCH_FIELD = {"max_tokens": "max_lens", "temperature": "temperature", "top_k": "top_k",
+                "top_p": "top_p", "min_p": "min_p", "seed": "seeds"}
+
+
+def test_every_bound_names_a_batch_field():
+    assert set(BOUNDS) == set(_BATCH_FIELD)
+
+
+@pytest.mark.parametrize("name", sorted(BOUNDS))
+def test_each_bound_fits_its_device_dtype(name):
+    """The extremes a request may hold are written into the step batch exactly as they are
+    (no overflow, no wrap, no rounding to 0 or inf); for integers, one past the bound is what
+    would have crashed the step for every request."""
+    b, field = BOUNDS[name], _BATCH_FIELD[name]
+    batch = empty_batch(1, 2, 1, spare_slot=0)
+    array = getattr(batch, field)
+    assert array.dtype == np.dtype(b.dtype)
+    for value in (b.low, b.high):
+        array[0] = value
+        if b.integer:
+            assert int(array[0]) == value
+        else:
+            assert np.isfinite(array[0]) and (array[0] > 0) == (value > 0)
+    if b.integer:
+        with pytest.raises(OverflowError):
+            array[0] = b.high + 1
+        with pytest.raises(InvalidArgument):
+            check_bound(name, b.high + 1)
+
+
+def test_extreme_accepted_parameters_sample_finite_distributions():
+    """The smallest temperature and top_p, the largest top_k: a proper distribution, no NaN."""
+    logits = jnp.array([[80.0, -80.0, 3.0, 79.9]])
+    one = lambda x, dtype=jnp.float32: jnp.array([x], dtype)
+    for t, k, p in [(BOUNDS["temperature"].low, BOUNDS["top_k"].high, BOUNDS["top_p"].low),
+                    (BOUNDS["temperature"].high, 0, 1.0)]:
+        filtered = filter_logits(logits, one(t), one(k, jnp.int32), one(p), one(0.0))
+        probs = np.asarray(jax.nn.softmax(filtered, axis=-1))
+        assert np.all(np.isfinite(probs)) and abs(probs.sum() - 1) < 1e-5
+
+
+def test_room_message_says_both_numbers():
+    check_room(10, 14, 24)
+    with pytest.raises(InvalidArgument, match="max_completion_tokens is 1000 but the prompt has "
+                                              "1000 tokens and the context holds 1024") as info:
+        check_room(1000, 1000, 1024, param="max_completion_tokens")
+    assert info.value.param == "max_completion_tokens" and "at most 24 tokens" in str(info.value)
+
+
+def test_messages_never_echo_unbounded_input():
+    huge = "x" * 200_000
+    for check in (lambda: check_int("n", huge), lambda: check_stop([huge, 3]),
+                  lambda: check_unsupported("opt", huge)):
+        with pytest.raises(InvalidArgument) as info:
+            check()
+        assert len(str(info.value)) < 200
+
+
+@pytest.mark.parametrize("drafts, match", [
+    ([1, 2, 3, 4], "proposed 4 tokens; at most 3"), ([1, 64], "token id 64, outside"),
+    ([1, -1], "token id -1"), ([1.0], "token id 1.0"), (None, "must return a sequence")])
+def test_drafter_proposals_are_checked(drafts, match):
+    assert check_draft_tokens((np.int64(5), 6), 3, 64) == [5, 6]
+    with pytest.raises(InvalidArgument, match=match):
+        check_draft_tokens(drafts, 3, 64)

@@ -7,6 +7,7 @@ arrays; jit takes them as they are).
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Sequence
 
 import jax
@@ -97,3 +98,11 @@ def set_row(batch: StepBatch, row: int, *, run: Sequence[int], start_pos: int,
     batch.slots[row] = slot
     batch.max_lens[row] = max_len
     batch.next_tokens[row] = next_token
+
+
+def clear_row(batch: StepBatch, row: int, spare_slot: int) -> None:
+    """Make `row` padding again, e.g. after a `set_row` that raised part-way: the step then
+    runs without it and the other rows are untouched."""
+    pad = empty_batch(1, batch.tokens.shape[1], batch.block_tables.shape[1], spare_slot)
+    for field in dataclasses.fields(pad):
+        getattr(batch, field.name)[row] = getattr(pad, field.name)[0]

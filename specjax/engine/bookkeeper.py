@@ -50,31 +50,37 @@ class Bookkeeper:
         self.gate = gate
         self.recorder = recorder
 
-    def apply(self, step: DispatchedStep) -> tuple[list[tuple[Request, list[int]]], bool]:
+    def apply(self, step: DispatchedStep) -> tuple[list[tuple[Request, list[int]]], bool,
+                                                   list[tuple[Request, Exception]]]:
         """Settle each row of `step` -> ([(request, its new tokens)], whether the gate
-        turned speculation off just now). Rows whose request finished or was cancelled while
-        the step was in flight are skipped: their blocks are already back."""
+        turned speculation off just now, [(request, error)] for rows whose settling raised).
+        Rows whose request finished or was cancelled while the step was in flight are
+        skipped: their blocks are already back."""
         out = step.out
         new_tokens = np.asarray(out.new_tokens)
         lens = np.asarray(out.new_tokens_lens)
         draft_lens = np.asarray(out.draft_lens)
         next_drafts = np.asarray(out.next_draft_tokens)
         hidden = np.asarray(out.hidden_states) if self.recorder is not None else None
-        advanced, accepted_sum, drafted_sum, with_drafts = [], 0, 0, 0
+        advanced, failed = [], []
+        accepted_sum, drafted_sum, with_drafts = 0, 0, 0
         for i, row in enumerate(step.rows):
             request = row.request
             if request.status is not Status.RUNNING:
                 continue
-            num_accepted = int(lens[i]) - 1
-            verified_len = step.draft_len
-            drafted_len = int(draft_lens[i])
-            num_drafts_verified = min(drafted_len, verified_len)
-            rewind_len = verified_len - num_accepted
-            if hidden is not None:
-                self.recorder.record(request, request.num_computed, hidden[:, i, :1])
-            self._give_back(request, row, step.step_id, num_accepted, rewind_len)
-            # Only now do the next drafts replace the verified ones.
-            request.draft_tokens = [int(t) for t in next_drafts[i, :step.draft_len]]
+            try:
+                num_accepted = int(lens[i]) - 1
+                verified_len = step.draft_len
+                num_drafts_verified = min(int(draft_lens[i]), verified_len)
+                rewind_len = verified_len - num_accepted
+                if hidden is not None:
+                    self.recorder.record(request, request.num_computed, hidden[:, i, :1])
+                self._give_back(request, row, step.step_id, num_accepted, rewind_len)
+                # Only now do the next drafts replace the verified ones.
+                request.draft_tokens = [int(t) for t in next_drafts[i, :step.draft_len]]
+            except Exception as e:  # this row's ledger: fail its request, settle the others
+                failed.append((request, e))
+                continue
             stats = request.stats
             stats.num_draft_tokens += num_drafts_verified
             stats.num_accepted_draft_tokens += num_accepted
@@ -88,7 +94,7 @@ class Bookkeeper:
         tripped = False
         if self.gate is not None and drafted_sum > 0:
             tripped, _ = self.gate.record_acceptance_rate(accepted_sum / drafted_sum)
-        return advanced, tripped
+        return advanced, tripped, failed
 
     def _give_back(self, request: Request, row: GenerationRow, step_id: int, num_accepted: int,
                    rewind_len: int) -> None:

@@ -9,10 +9,17 @@
 
 Per iteration it builds small padded index arrays, dispatches at most two jitted steps (one
 for prompt chunks, one for generation rows) and reads back a few ints per row.
+
+Faults stay with the request that caused them: host work done for one request (its drafts,
+its batch row, its bookkeeping, its output) that raises finishes that request alone with
+finish_reason "error"; the step goes on for the others. Only a failure of the device step
+itself fails every request that holds K/V on the device -- the donated state cannot be
+trusted after it -- and the engine carries on with a fresh state for the waiting ones.
 """
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from typing import Sequence
 
@@ -33,7 +40,9 @@ from specjax.sampling_params import SamplingParams
 from specjax.speculative.build import build_speculation
 from specjax.speculative.config import SpeculativeConfig
 from specjax.tokenizer import Tokenizer
-from specjax.validation import check_request
+from specjax.validation import check_draft_tokens, check_request
+
+log = logging.getLogger("specjax.engine")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,9 +114,10 @@ class Engine:
                                    config.max_prefill_rows, D, spec.drafts_in_step,
                                    on_preempt=self._on_preempt)
         graphdef, params = split_model(model, spec.draft_model)
-        state = init_state(mc, num_slots=config.max_batch_size, num_blocks=num_blocks,
-                           tokens_per_block=bs, max_draft_len=D, worker=spec.worker)
-        self.executor = Executor(graphdef, params, state, self.allocator, worker=spec.worker,
+        make_state = lambda: init_state(mc, num_slots=config.max_batch_size,
+                                        num_blocks=num_blocks, tokens_per_block=bs,
+                                        max_draft_len=D, worker=spec.worker)
+        self.executor = Executor(graphdef, params, make_state, self.allocator, worker=spec.worker,
                                  save_layers=spec.save_layers, blocks_per_seq=blocks_per_seq,
                                  max_batch_size=config.max_batch_size,
                                  prefill_chunk=config.prefill_chunk,
@@ -211,7 +221,8 @@ class Engine:
     # -- one iteration -----------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Admit, schedule, run, and update. Returns outputs of requests that advanced.
+        """Admit, schedule, run, and update. Returns outputs of requests that advanced or
+        finished (a request whose own work failed finishes with finish_reason "error").
 
         With the overlap scheduler the generation step dispatched here is read in the next
         call, while the device runs that call's step; the host then sees results one step
@@ -222,8 +233,29 @@ class Engine:
         self.scheduler.admit()
         prefill = self.scheduler.schedule_prefill()
         rows, draft_len = self._schedule_generation()
-        prefill_out = self.executor.launch_prefill(prefill) if prefill else None
-        dispatched = self.executor.launch_generation(rows, draft_len) if rows else None
+        # Making room for generation rows may have preempted a request scheduled for a prompt
+        # chunk above (its blocks are gone): it runs when readmitted, not in this step.
+        prefill = [(r, n) for r, n in prefill if r.status is Status.RUNNING]
+        try:
+            self._run(prefill, rows, draft_len)
+        except Exception as e:
+            self._device_fault(e)
+        self.num_steps += 1
+        if self.recorder is not None:
+            self.recorder.maybe_flush(self.num_steps, idle=not self.has_unfinished())
+        self.stats.step_time += time.perf_counter() - start
+        return [r.output() for r in self._advanced.values()]
+
+    def _run(self, prefill: list[tuple[Request, int]], rows: list[GenerationRow],
+             draft_len: int) -> None:
+        """Dispatch this iteration's steps and apply the results that are due."""
+        prefill_out = dispatched = None
+        if prefill:
+            prefill_out, failed = self.executor.launch_prefill(prefill)
+            self._fail_all(failed, "preparing its prompt-chunk row")
+        if rows:
+            dispatched, failed = self.executor.launch_generation(rows, draft_len)
+            self._fail_all(failed, "preparing its generation row")
         overlap = self._overlaps(draft_len)
         previous = self.executor.take_inflight()
         self.executor.inflight = dispatched if overlap else None
@@ -233,11 +265,6 @@ class Engine:
             self._apply_generation(dispatched)
         if prefill:
             self._apply_prefill(prefill, prefill_out)
-        self.num_steps += 1
-        if self.recorder is not None:
-            self.recorder.maybe_flush(self.num_steps, idle=not self.has_unfinished())
-        self.stats.step_time += time.perf_counter() - start
-        return [r.output() for r in self._advanced.values()]
 
     def _schedule_generation(self) -> tuple[list[GenerationRow], int]:
         """Rows whose newest token is pending, with their reservations, and the step's runtime
@@ -257,26 +284,40 @@ class Engine:
             self._drain()  # exact lengths free the unread step's worst-case reservation
             candidates = [r for r in candidates if r.status is Status.RUNNING]
         rows = []
+        drafter = self.speculation.drafter
         for request in self.scheduler.reserve(candidates, positions):
-            drafter = self.speculation.drafter
             if draft_len and drafter is not None:
-                t0 = time.perf_counter()
-                request.draft_tokens = drafter.propose_for(request.request_id, request.all_ids,
-                                                           draft_len)
-                self.stats.draft_time += time.perf_counter() - t0
+                try:
+                    request.draft_tokens = self._propose(drafter, request, draft_len)
+                except Exception as e:
+                    self._fail(request, "drafting for it", e)
+                    continue
             room = request.max_len - request.num_tokens - 1
             rows.append(GenerationRow(request, reserve,
                                       max(0, min(len(request.draft_tokens), draft_len, room))))
         return rows, draft_len
 
+    def _propose(self, drafter, request: Request, draft_len: int) -> list[int]:
+        """A host drafter's proposal, checked before it can reach a device array."""
+        t0 = time.perf_counter()
+        try:
+            drafts = drafter.propose_for(request.request_id, request.all_ids, draft_len)
+            return check_draft_tokens(drafts, draft_len, self.model_config.vocab_size)
+        finally:
+            self.stats.draft_time += time.perf_counter() - t0
+
     def _drain(self) -> None:
         """Read the unread step now (before a host drafter looks, or to free reservations)."""
         step = self.executor.take_inflight()
         if step is not None:
-            self._apply_generation(step)
+            try:
+                self._apply_generation(step)
+            except Exception as e:
+                self._device_fault(e)
 
     def _apply_generation(self, step: DispatchedStep) -> None:
-        advanced, gate_tripped = self.bookkeeper.apply(step)
+        advanced, gate_tripped, failed = self.bookkeeper.apply(step)
+        self._fail_all(failed, "settling its generation step")
         for request, tokens in advanced:
             self._emit(request, tokens)
         if gate_tripped:
@@ -287,15 +328,24 @@ class Engine:
         tokens = np.asarray(out.tokens)
         hidden = np.asarray(out.hidden_states) if self.recorder is not None else None
         for i, (request, n) in enumerate(rows):
-            if hidden is not None:
-                self.recorder.record(request, request.num_computed, hidden[:, i, :n])
-            request.num_computed += n
-            if request.num_computed == request.num_tokens:
-                request.prefilled = True
-                self._emit(request, [int(tokens[i])])
+            if request.status is not Status.RUNNING:
+                continue  # its row failed to prepare (or it was cancelled meanwhile)
+            try:
+                if hidden is not None:
+                    self.recorder.record(request, request.num_computed, hidden[:, i, :n])
+                request.num_computed += n
+                if request.num_computed == request.num_tokens:
+                    request.prefilled = True
+                    self._emit(request, [int(tokens[i])])
+            except Exception as e:
+                self._fail(request, "settling its prompt chunk", e)
 
     def _emit(self, request: Request, tokens: list[int]) -> None:
-        reason = self.outputs.append(request, tokens)
+        try:
+            reason = self.outputs.append(request, tokens)
+        except Exception as e:
+            self._fail(request, "processing its output", e)
+            return
         if reason is not None:
             self._finish(request, reason)
         self._advanced[request.request_id] = request
@@ -304,14 +354,49 @@ class Engine:
         if self.recorder is not None:
             self.recorder.drop(request)
 
+    # -- failures ----------------------------------------------------------------------------
+
+    def _fail(self, request: Request, doing: str, error: BaseException) -> None:
+        """Finish one request whose own host work raised; the others go on."""
+        log.error("request %d failed while %s", request.request_id, doing, exc_info=error)
+        if request.status is Status.FINISHED:
+            return
+        request.error = f"failed while {doing}: {type(error).__name__}: {error}"[:500]
+        self._finish(request, "error")
+
+    def _fail_all(self, failed: list[tuple[Request, Exception]], doing: str) -> None:
+        for request, error in failed:
+            self._fail(request, doing, error)
+
+    def _device_fault(self, error: BaseException) -> None:
+        """A step failed as a whole: fail every request holding K/V on the device, start a
+        fresh device state; waiting requests (they hold none) are served as usual."""
+        log.error("a device step failed; failing %d running request(s)", len(self.running),
+                  exc_info=error)
+        self.executor.reset()
+        message = f"the device step failed: {type(error).__name__}: {error}"[:500]
+        for request in list(self.running):
+            request.error = message
+            self._finish(request, "error")
+
     def _finish(self, request: Request, reason: str) -> None:
+        # Blocks and slot go back first, whatever the hooks below do.
         self.scheduler.remove(request)
         request.status = Status.FINISHED
         request.finish_reason = reason
         self.requests.pop(request.request_id, None)
-        if self.speculation.drafter is not None:
-            self.speculation.drafter.on_request_finished(request.request_id)
-        if self.recorder is not None:
-            self.recorder.finish(request)
+        self._advanced[request.request_id] = request
         request.stats.finish_time = time.perf_counter()
-        self.outputs.finish(request)
+        hooks = [self.outputs.finish]
+        if self.speculation.drafter is not None:
+            hooks.append(lambda r: self.speculation.drafter.on_request_finished(r.request_id))
+        if self.recorder is not None:
+            hooks.append(self.recorder.finish)
+        for hook in hooks:
+            try:
+                hook(request)
+            except Exception as e:  # the request is over either way; say why it went wrong
+                log.error("finishing request %d failed", request.request_id, exc_info=e)
+                if reason != "error":
+                    request.finish_reason = reason = "error"
+                    request.error = f"failed while finishing: {type(e).__name__}: {e}"[:500]

@@ -2,22 +2,28 @@
 and the generation step in flight.
 
 `launch_*` pads rows into a batch bucket and dispatches a step asynchronously (JAX async
-dispatch); its small outputs start their device-to-host copies at once. With the overlap
+dispatch); its small outputs start their device-to-host copies at once. A row whose
+preparation raises is left as padding and reported with its error, so one request's fault
+never stops the others' step. With the overlap
 scheduler the engine reads a generation step one call later, while the device runs the next;
 `unread_advance` tells the scheduler how far such a step may still move a request.
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import jax
 from tqdm.auto import tqdm
 
-from specjax.core.batch import empty_batch, set_row
+from specjax.core.batch import PrefillOutput, clear_row, empty_batch, set_row
 from specjax.core.state import EngineState, Params
 from specjax.core.steps import make_generation_step, make_prefill_step
 from specjax.core.worker import DraftWorker
 from specjax.engine.allocator import BlockAllocator
 from specjax.engine.bookkeeper import DispatchedStep, GenerationRow
 from specjax.engine.request import Request
+
+Failed = list[tuple[Request, Exception]]   # rows that could not be prepared, with the error
 
 
 def power_of_two_buckets(limit: int) -> tuple[int, ...]:
@@ -34,11 +40,13 @@ def bucket(n: int, buckets: tuple[int, ...]) -> int:
 
 
 class Executor:
-    def __init__(self, graphdef, params: Params, state: EngineState, allocator: BlockAllocator,
-                 *, worker: DraftWorker | None, save_layers: tuple[int, ...],
-                 blocks_per_seq: int, max_batch_size: int, prefill_chunk: int,
-                 max_prefill_rows: int):
-        self.graphdef, self.params, self.state = graphdef, params, state
+    def __init__(self, graphdef, params: Params, make_state: Callable[[], EngineState],
+                 allocator: BlockAllocator, *, worker: DraftWorker | None,
+                 save_layers: tuple[int, ...], blocks_per_seq: int, max_batch_size: int,
+                 prefill_chunk: int, max_prefill_rows: int):
+        self.graphdef, self.params = graphdef, params
+        self.make_state = make_state
+        self.state = state = make_state()
         self.allocator = allocator
         self.prefill_step = make_prefill_step(graphdef, worker, save_layers)
         self.generation_step = make_generation_step(graphdef, worker, save_layers)
@@ -52,8 +60,9 @@ class Executor:
 
     # -- dispatch ----------------------------------------------------------------------------
 
-    def launch_prefill(self, rows: list[tuple[Request, int]]):
-        """Prompt chunks: each request's next `n` tokens from its first one not in the pool."""
+    def launch_prefill(self, rows: list[tuple[Request, int]]) -> tuple[PrefillOutput, Failed]:
+        """Prompt chunks: each request's next `n` tokens from its first one not in the pool.
+        Returns the step's output and the rows that could not be prepared."""
         runs = []
         for request, n in rows:
             start = request.num_computed
@@ -62,35 +71,51 @@ class Executor:
                          request.token_at(end) if end < request.num_tokens else -1))
         return self._launch(self.prefill_step, runs, self.prefill_chunk, self.prefill_buckets)
 
-    def launch_generation(self, rows: list[GenerationRow], draft_len: int) -> DispatchedStep:
+    def launch_generation(self, rows: list[GenerationRow], draft_len: int
+                          ) -> tuple[DispatchedStep, Failed]:
         """[newest token, host drafts] per row (steps that read runs from the device take them
-        from slot state); each request remembers this step's reservation and largest advance."""
+        from slot state); each request remembers this step's reservation and largest advance.
+        Returns the step and the rows that could not be prepared."""
         runs = [(row.request, [row.request.last_token] + row.request.draft_tokens[:row.drafted],
                  -1) for row in rows]
         self._step_id += 1
-        step = DispatchedStep(self._step_id, rows, draft_len,
-                              self._launch(self.generation_step, runs, draft_len + 1,
-                                           self.decode_buckets))
+        out, failed = self._launch(self.generation_step, runs, draft_len + 1,
+                                   self.decode_buckets)
+        step = DispatchedStep(self._step_id, rows, draft_len, out)
         for row in rows:
             request = row.request
             request.latest_step, request.latest_reserve = step.step_id, row.reserve
             request.latest_advance = draft_len + 1
-        return step
+        return step, failed
 
     def _launch(self, fn, runs: list[tuple[Request, list[int], int]], width: int,
                 buckets: tuple[int, ...]):
+        """Row i of the batch is runs[i]; a run whose row cannot be written stays padding (it
+        computes nothing and its outputs are ignored) and is returned with its error."""
         batch = empty_batch(bucket(len(runs), buckets), width, self.blocks_per_seq,
                             self.spare_slot)
+        failed: Failed = []
         for i, (request, run, next_token) in enumerate(runs):
-            p = request.params
-            set_row(batch, i, run=run, start_pos=request.num_computed,
-                    blocks=self.allocator.blocks(request.request_id), slot=request.slot,
-                    max_len=request.max_len, seed=request.seed, temperature=p.temperature,
-                    top_k=p.top_k, top_p=p.top_p, min_p=p.min_p, next_token=next_token)
+            try:
+                p = request.params
+                set_row(batch, i, run=run, start_pos=request.num_computed,
+                        blocks=self.allocator.blocks(request.request_id), slot=request.slot,
+                        max_len=request.max_len, seed=request.seed, temperature=p.temperature,
+                        top_k=p.top_k, top_p=p.top_p, min_p=p.min_p, next_token=next_token)
+            except Exception as e:
+                clear_row(batch, i, self.spare_slot)
+                failed.append((request, e))
         self.state, out = fn(self.params, self.state, batch)
         for leaf in jax.tree.leaves(out):  # start the small device->host copies now, unblocked
             leaf.copy_to_host_async()
-        return out
+        return out, failed
+
+    def reset(self) -> None:
+        """Fresh device state after a step failed on the device: a donated state that went
+        into a failed step cannot be trusted (or may be gone). Every request that held K/V
+        in it must be failed by the caller; waiting requests hold none."""
+        self.inflight = None
+        self.state = self.make_state()
 
     # -- the step in flight ------------------------------------------------------------------
 

@@ -1,15 +1,20 @@
 """`python -m specjax.serve`: serve a model over an OpenAI-compatible HTTP API.
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (streaming with SSE or not),
-GET /v1/models, GET /health, GET /metrics (Prometheus).
+GET /v1/models, GET|HEAD /health, GET /metrics (Prometheus).
+
+Limits: request heads and bodies must arrive within --request-timeout (else 408), at most
+--max-concurrency requests run at once (else 503), only --allowed-hosts are answered (else
+400), and shutdown (SIGINT/SIGTERM) waits at most --shutdown-timeout for requests in flight
+before ending them with an error.
 """
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import logging
 import os
 import sys
+from typing import Mapping
 
 from specjax.serve.defaults import parse_speculative_config, served_model_name
 
@@ -32,7 +37,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help="address to bind (default loopback only)")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--api-key", default=None,
-                        help="require 'Authorization: Bearer KEY' (default: $SPECJAX_API_KEY)")
+                        help="require 'Authorization: Bearer KEY' (default: $SPECJAX_API_KEY; "
+                             "an empty key is an error, not 'no auth')")
+    parser.add_argument("--allowed-hosts", default=None,
+                        help="comma-separated Host header names answered, '*' for any "
+                             "(default: localhost, 127.0.0.1, [::1], plus the --host address "
+                             "if it is not loopback; any host for 0.0.0.0 or ::)")
     parser.add_argument("--max-batch-size", type=int, default=8)
     parser.add_argument("--kv-blocks", type=int, default=None,
                         help="KV-cache blocks in the pool (default: room for max-batch-size "
@@ -43,6 +53,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-tokens-cap", type=int, default=None,
                         help="largest max_tokens a request may ask for (default: the context)")
     parser.add_argument("--max-body-bytes", type=int, default=1 << 20)
+    parser.add_argument("--max-concurrency", type=int, default=512,
+                        help="HTTP requests in flight (streams included) before new ones get "
+                             "503; /health and /metrics are exempt")
+    parser.add_argument("--request-timeout", type=float, default=30.0,
+                        help="seconds a client has to send a request's head, and again its "
+                             "body, before a 408")
+    parser.add_argument("--shutdown-timeout", type=float, default=30.0,
+                        help="seconds requests in flight get to finish on shutdown before "
+                             "they end with an error")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None)
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--log-level", default="info",
@@ -50,31 +69,38 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+def api_key_from(flag: str | None, environ: Mapping[str, str]) -> str | None:
+    """--api-key, else $SPECJAX_API_KEY; a key given but empty is an error, never 'no auth'."""
+    key, source = flag, "--api-key"
+    if key is None:
+        key, source = environ.get("SPECJAX_API_KEY"), "$SPECJAX_API_KEY"
+    if key is not None and not key.strip():
+        raise ValueError(f"{source} is empty: give a key, or leave it unset to serve "
+                         "without one")
+    return key
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    api_key = args.api_key or os.environ.get("SPECJAX_API_KEY") or None
     # Imported here so --help answers without loading JAX.
-    import uvicorn
-
     from specjax.llm import LLM
     from specjax.serve.app import ServerSettings, create_app
+    from specjax.serve.hosts import allowed_hosts_for, is_loopback
+    from specjax.serve.http_server import build_server
     try:  # every argument is checked before the model loads
+        api_key = api_key_from(args.api_key, os.environ)
         spec = parse_speculative_config(args.speculative_config, args.model)
         names = tuple(dict.fromkeys([args.served_model_name or served_model_name(args.model),
                                      str(args.model)]))
+        given_hosts = None if args.allowed_hosts is None else args.allowed_hosts.split(",")
         settings = ServerSettings(model_names=names, api_key=api_key, max_queue=args.max_queue,
                                   max_tokens_cap=args.max_tokens_cap,
-                                  max_body_bytes=args.max_body_bytes)
+                                  max_body_bytes=args.max_body_bytes,
+                                  allowed_hosts=allowed_hosts_for(args.host, given_hosts),
+                                  max_concurrency=args.max_concurrency,
+                                  request_timeout=args.request_timeout,
+                                  shutdown_timeout=args.shutdown_timeout)
         if not 0 <= args.port < 65536:
             raise ValueError(f"--port must be in [0, 65535], got {args.port}")
         if args.max_queue < 0:
@@ -86,12 +112,16 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if not _is_loopback(args.host) and api_key is None:
+    if not is_loopback(args.host) and api_key is None:
         log.warning("binding %s without --api-key: anyone who can reach it can use it", args.host)
     log.info("serving %r (speculation: %s) on http://%s:%d", names[0],
              spec.mode.name if spec else "off", args.host, args.port)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
-    return 0
+    server = build_server(app, host=args.host, port=args.port, log_level=args.log_level)
+    try:
+        server.run()
+    except KeyboardInterrupt:  # a second Ctrl-C, re-raised by uvicorn after shutdown
+        pass
+    return 0 if server.started else 1
 
 
 if __name__ == "__main__":

@@ -1,9 +1,15 @@
 """The FastAPI app: OpenAI routes over one `EngineThread`.
 
 A request is validated completely (types by pydantic, values by `specjax.validation`, prompt
-against the vocabulary and context) before it is handed to the engine thread; only then does a
-200 or an event stream start. Text deltas are computed on the event loop from the cumulative
-token ids the engine thread delivers.
+against the vocabulary and context, output length against the room the prompt leaves) before
+it is handed to the engine thread; only then does a 200 or an event stream start. Rendering and
+tokenising the prompt run in a worker thread (`prepare.py`), never on the event loop; text
+deltas are computed incrementally on the loop (`text_stream.py`).
+
+A request that fails in the engine gets an error of its own (a 500 body, or an error event and
+`data: [DONE]` in a stream); the others go on. Shutdown is bounded: `begin_shutdown` (called
+when uvicorn starts shutting down, see `http_server.py`) refuses new requests with 503 and
+gives those in flight `shutdown_timeout` seconds before ending them with a 503 error.
 """
 from __future__ import annotations
 
@@ -11,25 +17,31 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import logging
 import time
-from typing import Any, AsyncIterator, Sequence
+from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
+from starlette.concurrency import run_in_threadpool
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from specjax.llm import LLM
-from specjax.sampling_params import SamplingParams
 from specjax.serve.chat import ChatTemplate
 from specjax.serve.engine_thread import (EngineFailure, EngineStopped, EngineThread, Event,
                                          QueueFull, Submission)
-from specjax.serve.errors import INTERNAL_ERROR, APIError, error_body, install_error_handlers
-from specjax.serve.guard import GuardMiddleware
+from specjax.serve.errors import APIError, error_body, install_error_handlers
+from specjax.serve.guard import ConcurrencyLimit, GuardMiddleware
+from specjax.serve.hosts import LOOPBACK_HOSTS, HostGuard, normalize_host
 from specjax.serve.metrics import CONTENT_TYPE, ServerMetrics
-from specjax.serve.protocol import (COMPLETIONS_DEFAULT_MAX_TOKENS, ChatCompletionRequest,
-                                    ChatFormat, CompletionFormat, CompletionRequest,
-                                    finish_reason, request_field_names)
+from specjax.serve.prepare import Prepared, RequestPreparer
+from specjax.serve.protocol import (ChatCompletionRequest, ChatFormat, CompletionFormat,
+                                    CompletionRequest, finish_reason, request_field_names)
 from specjax.serve.text_stream import TextStream
-from specjax.validation import InvalidArgument, check_prompt, check_request
+
+log = logging.getLogger("specjax.serve")
+
+SHUTDOWN_FAILURE = EngineFailure("the server shut down before the request completed", 503,
+                                 "shutting_down")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,18 +49,33 @@ class ServerSettings:
     """Limits and identity of one server."""
 
     model_names: tuple[str, ...] = ("specjax",)  # the first is listed by /v1/models
-    api_key: str | None = None
+    api_key: str | None = None        # None: no auth; an empty key is refused
     max_queue: int = 256              # requests waiting for a slot before 429s
     max_tokens_cap: int | None = None  # default: the context length
     max_body_bytes: int = 1 << 20
+    allowed_hosts: tuple[str, ...] = LOOPBACK_HOSTS  # Host headers answered; "*": any
+    max_concurrency: int = 512        # HTTP requests in flight before 503s
+    request_timeout: float = 30.0     # seconds to receive a request's head, and its body
+    shutdown_timeout: float = 30.0    # seconds requests get to finish once shutdown starts
 
     def __post_init__(self):
         if not self.model_names:
             raise ValueError("model_names must hold at least one name")
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValueError("the API key is empty: give a key, or none to serve without auth")
         if self.max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be >= 1, got {self.max_body_bytes}")
         if self.max_tokens_cap is not None and self.max_tokens_cap < 1:
             raise ValueError(f"max_tokens_cap must be >= 1, got {self.max_tokens_cap}")
+        if self.max_concurrency < 1:
+            raise ValueError(f"max_concurrency must be >= 1, got {self.max_concurrency}")
+        for name in ("request_timeout", "shutdown_timeout"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
+        if not self.allowed_hosts:
+            raise ValueError("allowed_hosts must hold at least one host (or '*')")
+        object.__setattr__(self, "allowed_hosts",
+                           tuple(normalize_host(h) for h in self.allowed_hosts))
 
 
 def _sse(payload: dict[str, Any]) -> str:
@@ -72,66 +99,35 @@ class Server:
         self.vocab_size = engine.model_config.vocab_size
         self.max_len = engine.max_len
         self.max_tokens_cap = min(settings.max_tokens_cap or self.max_len, self.max_len)
+        self.prepare = RequestPreparer(self.tokenizer, chat_template, settings.model_names,
+                                       self.vocab_size, self.max_len, self.max_tokens_cap)
         self.metrics = ServerMetrics()
         self.engine_thread = EngineThread(engine, settings.max_queue,
                                           on_finished=self.metrics.observe_finished)
         self.metrics.watch(self.engine_thread)
         self.created = int(time.time())
-
-    # -- validation ----------------------------------------------------------------------
-
-    def check_model(self, model: str) -> None:
-        if model not in self.settings.model_names:
-            raise APIError(400, f"model {model!r} is not served here; this server serves "
-                                f"{self.settings.model_names[0]!r}", "model", "model_not_found")
-
-    def check_prompt_ids(self, prompt_ids: Sequence[int], params: SamplingParams,
-                         param: str) -> None:
-        """What `Engine.validate` will check, run here so that failures are 400s."""
-        check_prompt(prompt_ids, self.vocab_size, self.max_len, param=param)
-        check_request(prompt_ids, params, SamplingParams, self.vocab_size, self.max_len)
-
-    def completion_prompt(self, prompt: Any) -> list[int]:
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise InvalidArgument("prompt", f"prompt holds {len(prompt)} prompts; this "
-                                                "server takes one prompt per request")
-            prompt = prompt[0]
-        if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt, add_bos=True)
-        return list(prompt)
-
-    def chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
-        if not body.messages:
-            raise InvalidArgument("messages", "messages must hold at least one message")
-        text = self.chat_template.render([{"role": m.role, "content": m.text()}
-                                          for m in body.messages])
-        return self.tokenizer.encode(text, add_bos=self.chat_template.add_bos)
+        self.shutting_down = False
+        self._shutdown_timer: asyncio.TimerHandle | None = None
 
     # -- generation ----------------------------------------------------------------------
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
-        self.check_model(body.model)
-        params = body.sampling_params(COMPLETIONS_DEFAULT_MAX_TOKENS, self.max_tokens_cap)
-        prompt_ids = self.completion_prompt(body.prompt)
-        self.check_prompt_ids(prompt_ids, params, "prompt")
-        return await self.generate(request, prompt_ids, params, body.stream, body.include_usage,
+        prepared = await run_in_threadpool(self.prepare.completion, body)
+        return await self.generate(request, prepared, body.stream, body.include_usage,
                                    CompletionFormat(self.settings.model_names[0]))
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
-        self.check_model(body.model)
-        params = body.sampling_params(self.max_tokens_cap, self.max_tokens_cap)
-        prompt_ids = self.chat_prompt(body)
-        self.check_prompt_ids(prompt_ids, params, "messages")
-        return await self.generate(request, prompt_ids, params, body.stream, body.include_usage,
+        prepared = await run_in_threadpool(self.prepare.chat, body)
+        return await self.generate(request, prepared, body.stream, body.include_usage,
                                    ChatFormat(self.settings.model_names[0]))
 
-    async def generate(self, request: Request, prompt_ids: list[int], params: SamplingParams,
-                       stream: bool | None, include_usage: bool,
-                       fmt: CompletionFormat) -> Response:
+    async def generate(self, request: Request, prepared: Prepared, stream: bool | None,
+                       include_usage: bool, fmt: CompletionFormat) -> Response:
+        if self.shutting_down:
+            raise APIError(503, "the server is shutting down", None, "shutting_down")
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[Event] = asyncio.Queue()
-        sub = Submission(prompt_ids, params, stream=bool(stream),
+        sub = Submission(prepared.prompt_ids, prepared.params, stream=bool(stream),
                          deliver=lambda event: loop.call_soon_threadsafe(queue.put_nowait, event))
         try:
             self.engine_thread.submit(sub)
@@ -148,7 +144,7 @@ class Server:
         if event is None:
             return Response(status_code=499)  # the client is gone; nobody reads this
         if isinstance(event, EngineFailure):
-            raise APIError(500, INTERNAL_ERROR, None, "internal_error")
+            raise APIError(event.status, event.message, None, event.code)
         return JSONResponse(fmt.response(event.text, event))
 
     async def wait_final(self, request: Request, sub: Submission,
@@ -178,12 +174,10 @@ class Server:
             for chunk in fmt.first_chunks():
                 yield _sse(chunk)
             while not over:
-                event = await queue.get()
-                while not queue.empty():  # outputs are cumulative: the newest says it all
-                    event = queue.get_nowait()
+                event = await _newest(queue)
                 if isinstance(event, EngineFailure):
                     over = True
-                    yield _sse(error_body(500, INTERNAL_ERROR, None, "internal_error"))
+                    yield _sse(error_body(event.status, event.message, None, event.code))
                     break
                 delta = text.delta(event.token_ids, event.finished, event.text)
                 over = event.finished
@@ -197,12 +191,49 @@ class Server:
             if not over:
                 self.engine_thread.cancel(sub)
 
+    # -- shutdown ------------------------------------------------------------------------
+
+    def begin_shutdown(self) -> None:
+        """Refuse new requests; those in flight get `shutdown_timeout` seconds, then a 503
+        error. Called on the event loop when uvicorn starts shutting down."""
+        if self.shutting_down:
+            return
+        self.shutting_down = True
+        self.engine_thread.begin_stop()
+        timeout = self.settings.shutdown_timeout
+        log.info("shutting down: %d request(s) in flight get %g s to finish",
+                 self.engine_thread.num_active, timeout)
+        self._shutdown_timer = asyncio.get_running_loop().call_later(timeout,
+                                                                     self.fail_remaining)
+
+    def fail_remaining(self) -> None:
+        failed = self.engine_thread.fail_all(SHUTDOWN_FAILURE)
+        if failed:
+            log.warning("shutdown: ended %d unfinished request(s) with an error", failed)
+
+    async def stop_engine(self) -> None:
+        """The end of the app's lifespan: nothing may outlive it, and the engine thread gets
+        a bounded time to stop (a step hung on the device leaves its daemon thread behind)."""
+        self.shutting_down = True
+        if self._shutdown_timer is not None:
+            self._shutdown_timer.cancel()
+        self.fail_remaining()
+        await asyncio.to_thread(self.engine_thread.stop, self.settings.shutdown_timeout)
+
     # -- the rest ------------------------------------------------------------------------
 
     def models(self) -> dict[str, Any]:
         return {"object": "list", "data": [
             {"id": self.settings.model_names[0], "object": "model", "created": self.created,
              "owned_by": "specjax", "max_model_len": self.max_len}]}
+
+
+async def _newest(queue: asyncio.Queue[Event]) -> Event:
+    """The newest queued event (outputs are cumulative, so it says it all)."""
+    event = await queue.get()
+    while not queue.empty():
+        event = queue.get_nowait()
+    return event
 
 
 async def _disconnected(request: Request) -> None:
@@ -215,7 +246,8 @@ async def _disconnected(request: Request) -> None:
 def create_app(llm: LLM, settings: ServerSettings = ServerSettings(),
                chat_template: ChatTemplate | None = None) -> FastAPI:
     """An app serving `llm` (already warmed up). The engine thread starts and stops with the
-    app's lifespan; `app.state.server` exposes it (and the metrics) to tests and tools."""
+    app's lifespan; `app.state.server` exposes it (and the metrics) to tests and tools. Run it
+    with `http_server.build_server`, which adds the header timeout and bounded shutdown."""
     if chat_template is None:
         chat_template = ChatTemplate.from_folder(llm.model_path)
     server = Server(llm, settings, chat_template)
@@ -226,15 +258,19 @@ def create_app(llm: LLM, settings: ServerSettings = ServerSettings(),
         try:
             yield
         finally:
-            await asyncio.to_thread(server.engine_thread.stop)
+            await server.stop_engine()
 
     app = FastAPI(title="specjax", lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None)
     app.state.server = server
     reject = lambda status: server.metrics.rejected.labels(status=str(status)).inc()
     install_error_handlers(app, on_error=reject, fields=request_field_names())
+    # The last added runs first: Host check, then the concurrency limit, then auth and body.
     app.add_middleware(GuardMiddleware, api_key=settings.api_key,
-                       max_body_bytes=settings.max_body_bytes, on_reject=reject)
+                       max_body_bytes=settings.max_body_bytes, on_reject=reject,
+                       request_timeout=settings.request_timeout)
+    app.add_middleware(ConcurrencyLimit, limit=settings.max_concurrency, on_reject=reject)
+    app.add_middleware(HostGuard, allowed_hosts=settings.allowed_hosts, on_reject=reject)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
@@ -248,10 +284,11 @@ def create_app(llm: LLM, settings: ServerSettings = ServerSettings(),
     async def models() -> dict[str, Any]:
         return server.models()
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
         if not server.engine_thread.alive:
-            return JSONResponse({"status": "engine stopped"}, status_code=503)
+            status = "shutting down" if server.shutting_down else "engine stopped"
+            return JSONResponse({"status": status}, status_code=503)
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")

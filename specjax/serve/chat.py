@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 from typing import Any, Sequence
 
-from specjax.validation import InvalidArgument
+from specjax.validation import InvalidArgument, shown
 
 DEFAULT_TEMPLATE_DOC = ('one "<role>: <content>" line per message, then "assistant: " '
                         "(used when the checkpoint has no chat_template)")
@@ -66,8 +66,9 @@ class ChatTemplate:
             return self._template.render(messages=list(messages), add_generation_prompt=True,
                                          bos_token=self.bos_token, eos_token=self.eos_token)
         except TemplateError as e:
+            # The template's message may quote the messages: bounded, as every echo is.
             raise InvalidArgument("messages", f"the model's chat template rejected the "
-                                              f"messages: {e}") from None
+                                              f"messages: {shown(str(e), 300)}") from None
 
 
 def _raise_template_error(message: str) -> None:

@@ -2,8 +2,13 @@
 
 Only this thread touches the `Engine`. HTTP handlers `submit` a `Submission` whose `deliver`
 callback (made thread-safe by the caller, e.g. `loop.call_soon_threadsafe` into an asyncio
-queue) receives `RequestOutput`s and, if a step fails, one `EngineFailure`. Cancelling is a
-request too: the thread aborts the engine request, which frees its slot and KV blocks.
+queue) receives `RequestOutput`s, or one `EngineFailure` when the request cannot complete.
+
+Failures stay with the request they belong to: an output the engine finished with
+`finish_reason == "error"` fails that request alone; a step that raises (a device fault) fails
+the requests it was running. Cancelling is a request too: the thread aborts the engine request,
+which frees its slot and KV blocks. `fail_all` ends every open request at once, from any thread
+(a shutdown that ran out of time), without waiting for the engine.
 """
 from __future__ import annotations
 
@@ -19,20 +24,30 @@ from specjax.sampling_params import SamplingParams
 
 log = logging.getLogger("specjax.serve")
 
+# What clients are told; engine internals go to the log only.
+STEP_FAILED = "internal server error; the request was not completed"
+REQUEST_FAILED = ("internal server error: the engine could not complete this request "
+                  "(other requests were not affected)")
+ADD_FAILED = "internal server error: the engine refused a request the server had accepted"
+
 
 class QueueFull(Exception):
     """More requests wait for a slot than the server accepts (answered with 429)."""
 
 
 class EngineStopped(Exception):
-    """The engine thread is not running (answered with 503)."""
+    """The engine thread is not running or is shutting down (answered with 503)."""
 
 
 @dataclasses.dataclass(frozen=True)
 class EngineFailure:
-    """Delivered instead of an output when a step raised; the request is over."""
+    """Delivered instead of an output when the request cannot complete; the request is over.
+    `message` is shown to the client; `status` and `code` are what a non-streaming client
+    gets as its HTTP status and OpenAI error code."""
 
     message: str
+    status: int = 500
+    code: str = "internal_error"
 
 
 Event = RequestOutput | EngineFailure
@@ -42,8 +57,9 @@ Event = RequestOutput | EngineFailure
 class Submission:
     """One request on its way through the engine thread.
 
-    `deliver` is called from the engine thread; with `stream=False` only the final output is
-    delivered, since a non-streaming client reads nothing before it.
+    `deliver` is called from the engine thread (or by `fail_all`'s caller); with
+    `stream=False` only the final event is delivered, since a non-streaming client reads
+    nothing before it.
     """
 
     prompt_ids: list[int]
@@ -52,6 +68,7 @@ class Submission:
     stream: bool = True
     request_id: int | None = None     # the engine's id, set by the engine thread
     cancelled: bool = False
+    done: bool = False                # its final event went out (or it was cancelled)
     submit_time: float = dataclasses.field(default_factory=time.perf_counter)
 
 
@@ -70,8 +87,11 @@ class EngineThread:
         self._cond = threading.Condition()
         self._inbox: list[Submission] = []
         self._cancels: list[Submission] = []
+        self._open: set[Submission] = set()    # submitted and not done
+        # Requests waiting in the engine, exact under the lock: raised as the inbox is taken,
+        # reset from the engine's own count after every iteration.
         self._engine_waiting = 0
-        self._live: dict[int, Submission] = {}
+        self._live: dict[int, Submission] = {}  # engine thread only
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._publish()
@@ -85,7 +105,7 @@ class EngineThread:
     @property
     def num_active(self) -> int:
         """Requests handed over and not yet finished (a racy read; for tests and logs)."""
-        return len(self._inbox) + len(self._live)
+        return len(self._open)
 
     @property
     def queue_depth(self) -> int:
@@ -96,33 +116,56 @@ class EngineThread:
         self._thread = threading.Thread(target=self._run, name="specjax-engine", daemon=True)
         self._thread.start()
 
-    def stop(self, timeout: float | None = 30.0) -> None:
-        """Stop once the work in hand is done (uvicorn drains connections before this)."""
+    def begin_stop(self) -> None:
+        """Refuse new requests; the thread exits once the work in hand is done."""
         with self._cond:
             self._stopping = True
             self._cond.notify()
+
+    def stop(self, timeout: float | None = 30.0) -> bool:
+        """`begin_stop`, then wait at most `timeout` for the thread; True if it ended (a step
+        that hangs on the device leaves the daemon thread behind)."""
+        self.begin_stop()
         if self._thread is not None:
             self._thread.join(timeout)
+            if self._thread.is_alive():
+                log.error("the engine thread did not stop within %s s", timeout)
+                return False
+        return True
 
     def submit(self, submission: Submission) -> None:
         """Hand a validated request to the engine; raises QueueFull or EngineStopped."""
         with self._cond:
             if not self.alive:
-                raise EngineStopped("the engine is not running")
+                raise EngineStopped("the server is shutting down" if self._stopping
+                                    else "the engine is not running")
             if len(self._inbox) + self._engine_waiting >= self.max_queue:
                 raise QueueFull(f"the server's queue is full ({self.max_queue} requests "
                                 "waiting); retry later")
             self._inbox.append(submission)
+            self._open.add(submission)
             self._cond.notify()
 
     def cancel(self, submission: Submission) -> None:
         """Abort a request (its client went away); safe to call more than once."""
         with self._cond:
-            if submission.cancelled:
+            if submission.cancelled or submission.done:
                 return
             submission.cancelled = True
             self._cancels.append(submission)
             self._cond.notify()
+
+    def fail_all(self, failure: EngineFailure) -> int:
+        """End every open request with `failure` now, and have the engine thread abort them
+        when it next can; returns how many there were."""
+        with self._cond:
+            victims = [sub for sub in list(self._open)
+                       if self._deliver_locked(sub, failure, final=True)]
+            self._cancels.extend(victims)
+            self._cond.notify()
+        for sub in victims:
+            self._report(sub, failure)
+        return len(victims)
 
     # -- the engine thread ----------------------------------------------------------------
 
@@ -133,33 +176,35 @@ class EngineThread:
                 while not (self._inbox or self._cancels or self._stopping
                            or engine.has_unfinished()):
                     self._cond.wait()
-                if self._stopping and not (self._inbox or engine.has_unfinished()):
+                if self._stopping and not (self._inbox or self._cancels
+                                           or engine.has_unfinished()):
                     break
                 inbox, self._inbox = self._inbox, []
                 cancels, self._cancels = self._cancels, []
+                self._engine_waiting += len(inbox)
             for sub in inbox:
                 self._add(sub)
             for sub in cancels:
                 if sub.request_id is None:
-                    continue  # cancelled before it was added (then never added), or failed
+                    continue  # never added: cancelled or failed before the engine saw it
                 if self._live.pop(sub.request_id, None) is not None:
                     engine.abort(sub.request_id)
-                    self._finished(sub, None)
+                    self._deliver(sub, None, final=True)
             if engine.has_unfinished():
                 self._step()
             self._publish()
         self._publish()
 
     def _add(self, sub: Submission) -> None:
-        if sub.cancelled:
-            self._finished(sub, None)
+        if sub.cancelled or sub.done:
+            self._deliver(sub, None, final=True)
             return
         try:
             sub.request_id = self.engine.add_request(sub.prompt_ids, sub.params)
         except Exception as e:  # handlers validate first, so this is a bug: fail one request
             log.exception("engine rejected a request the server had validated")
             self.errors.append(e)
-            self._send(sub, EngineFailure("the engine rejected the request"), final=True)
+            self._deliver(sub, EngineFailure(ADD_FAILED), final=True)
             return
         self._live[sub.request_id] = sub
 
@@ -168,9 +213,10 @@ class EngineThread:
             outputs = self.engine.step()
         except Exception as e:
             # Keep serving: fail the requests the step was working on, free their blocks.
-            log.exception("engine step failed; failing %d running request(s)", len(self._live))
+            failed = self._running_at_failure()
+            log.exception("engine step failed; failing %d running request(s)", len(failed))
             self.errors.append(e)
-            self._fail_running()
+            self._fail(failed)
             return
         for out in outputs:
             sub = self._live.get(out.request_id)
@@ -178,32 +224,52 @@ class EngineThread:
                 continue  # cancelled while its step was in flight
             if out.finished:
                 del self._live[out.request_id]
-                self._send(sub, out, final=True)
-            elif sub.stream:
-                self._send(sub, out, final=False)
+            if out.finish_reason == "error":
+                # The engine ended this request alone (and freed what it held).
+                log.error("engine failed request %d: %s", out.request_id, out.error)
+                self._deliver(sub, EngineFailure(REQUEST_FAILED), final=True)
+            elif out.finished or sub.stream:
+                self._deliver(sub, out, final=out.finished)
 
-    def _fail_running(self) -> None:
-        """After a failed step, end every request that was in the batch; waiting ones hold no
-        device state and carry on -- unless nothing was running, when the failure must have
-        come from them (admission), and retrying them would fail forever."""
+    def _running_at_failure(self) -> list[int]:
+        """The requests a failed step was working on: those in the batch; waiting ones hold
+        no device state and carry on -- unless nothing was running, when the failure must
+        have come from them (admission), and retrying them would fail forever."""
         failed = set(self.engine.snapshot().running_ids) & set(self._live)
-        for request_id in sorted(failed or self._live):
+        return sorted(failed or self._live)
+
+    def _fail(self, request_ids: list[int]) -> None:
+        for request_id in request_ids:
             sub = self._live.pop(request_id)
             try:
                 self.engine.abort(request_id)
             except Exception:
                 log.exception("abort after a failed step failed too")
-            self._send(sub, EngineFailure("engine step failed"), final=True)
+            self._deliver(sub, EngineFailure(STEP_FAILED), final=True)
 
-    def _send(self, sub: Submission, event: Event, final: bool) -> None:
-        try:
-            sub.deliver(event)
-        except RuntimeError:
-            pass  # the event loop is closed: the server is shutting down
+    def _deliver(self, sub: Submission, event: Event | None, final: bool) -> None:
+        with self._cond:
+            finished = self._deliver_locked(sub, event, final)
+        if finished:
+            self._report(sub, event)
+
+    def _deliver_locked(self, sub: Submission, event: Event | None, final: bool) -> bool:
+        """The one way events leave, under the lock, so that nothing reaches a request after
+        its final event whichever thread sent that; True if this call finished the request.
+        `event` None: cancelled, nothing to say."""
+        if sub.done:
+            return False
+        if event is not None:
+            try:
+                sub.deliver(event)
+            except RuntimeError:
+                pass  # the event loop is closed: the server is shutting down
         if final:
-            self._finished(sub, event)
+            sub.done = True
+            self._open.discard(sub)
+        return final
 
-    def _finished(self, sub: Submission, event: Event | None) -> None:
+    def _report(self, sub: Submission, event: Event | None) -> None:
         """Tell the hook a request is over (`event` None: cancelled by its client)."""
         if self.on_finished is not None:
             try:

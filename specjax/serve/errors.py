@@ -1,7 +1,10 @@
 """OpenAI-style error bodies, and the exception handlers that make every error one of them.
 
 Clients (the official `openai` library among them) read `{"error": {"message", "type",
-"param", "code"}}`; a body never carries a stack trace.
+"param", "code"}}`; a body never carries a stack trace, and never more than a bounded excerpt
+of what the client sent (`specjax.validation.shown`; unknown field names are cut too), so a
+200 KB value cannot come back 200 KB long. Lone surrogates a client sent in JSON are escaped
+before the body is encoded as UTF-8.
 """
 from __future__ import annotations
 
@@ -13,14 +16,15 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse
 
-from specjax.validation import InvalidArgument
+from specjax.validation import InvalidArgument, shown
 
 log = logging.getLogger("specjax.serve")
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error",
           404: "invalid_request_error", 405: "invalid_request_error",
-          413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error",
-          503: "server_error"}
+          408: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
+          500: "server_error", 503: "server_error"}
+MAX_NAME_CHARS = 64   # of an unknown field name echoed back
 
 
 class APIError(Exception):
@@ -32,10 +36,15 @@ class APIError(Exception):
         self.status, self.message, self.param, self.code = status, message, param, code
 
 
+def _encodable(text: str | None) -> str | None:
+    return None if text is None else text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def error_body(status: int, message: str, param: str | None = None,
                code: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": _TYPES.get(status, "invalid_request_error"),
-                      "param": param, "code": code}}
+    return {"error": {"message": _encodable(message),
+                      "type": _TYPES.get(status, "invalid_request_error"),
+                      "param": _encodable(param), "code": code}}
 
 
 def error_response(status: int, message: str, param: str | None = None,
@@ -47,22 +56,26 @@ def error_response(status: int, message: str, param: str | None = None,
 INTERNAL_ERROR = "internal server error; the request was not completed"
 
 
+def _bounded(name: str) -> str:
+    return name if len(name) <= MAX_NAME_CHARS else name[:MAX_NAME_CHARS - 3] + "..."
+
+
 def _param_from_loc(loc: tuple, fields: frozenset[str], extra: bool = False) -> str | None:
     """("body", "messages", 0, "content", "str") -> "messages[0].content".
 
     Pydantic puts union-branch tags ("float", "list[int]", a model's name) into locations;
     only request field names (`fields`) and list indices make up the parameter path, plus the
-    unknown name itself for an extra field.
+    unknown name itself for an extra field (cut to a bounded length: the client chose it).
     """
     parts = [p for p in loc if p != "body"]
     if not parts or not isinstance(parts[0], str):
         return None
-    path = parts[0]
+    path = _bounded(parts[0])
     for i, p in enumerate(parts[1:], start=1):
         if isinstance(p, int):
             path += f"[{p}]"
         elif p in fields or (extra and i == len(parts) - 1):
-            path += f".{p}"
+            path += "." + _bounded(str(p))
     return path
 
 
@@ -85,9 +98,8 @@ def validation_message(errors: list[dict[str, Any]],
         return f"unrecognized request argument supplied: {param}", param
     # Union members each report why they did not match; say so once per parameter.
     reasons = list(dict.fromkeys(e.get("msg", "invalid") for e in errors if param_of(e) == param))
-    got = first.get("input")
-    shown = repr(got) if len(repr(got)) <= 60 else repr(got)[:57] + "..."
-    return f"invalid type for {param}: {'; or '.join(reasons)} (got {shown})", param
+    return (f"invalid type for {param}: {'; or '.join(reasons)} "
+            f"(got {shown(first.get('input'))})", param)
 
 
 def install_error_handlers(app, on_error: Callable[[int], None] | None = None,

@@ -33,7 +33,7 @@ class StreamOptions(_Strict):
     continuous_usage_stats: StrictBool | None = None  # vLLM's; refused unless false
 
 
-class _GenerationRequest(_Strict):
+class GenerationRequest(_Strict):
     model: StrictStr
     max_tokens: StrictInt | None = None
     temperature: Number | None = None
@@ -99,7 +99,7 @@ class _GenerationRequest(_Strict):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
-class CompletionRequest(_GenerationRequest):
+class CompletionRequest(GenerationRequest):
     """POST /v1/completions. One prompt: text, or token ids (a one-element list of either is
     accepted too)."""
 
@@ -131,7 +131,7 @@ class ChatMessage(_Strict):
         return self.content or ""
 
 
-class ChatCompletionRequest(_GenerationRequest):
+class ChatCompletionRequest(GenerationRequest):
     """POST /v1/chat/completions (text messages; no tools)."""
 
     messages: list[ChatMessage]
@@ -172,9 +172,13 @@ def usage(out: RequestOutput) -> dict[str, int]:
             "total_tokens": prompt + completion}
 
 
+OPENAI_FINISH_REASONS = frozenset({"stop", "length"})
+
+
 def finish_reason(out: RequestOutput) -> str | None:
-    # "abort" only reaches a client whose request the server ended; OpenAI has no such value.
-    return None if out.finish_reason in (None, "abort") else out.finish_reason
+    # The engine's "abort" and "error" have no OpenAI counterpart; an errored request gets an
+    # error body instead (engine_thread.py), so neither is ever sent as a finish_reason.
+    return out.finish_reason if out.finish_reason in OPENAI_FINISH_REASONS else None
 
 
 class CompletionFormat:

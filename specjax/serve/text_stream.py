@@ -1,16 +1,37 @@
 """Token ids -> text deltas for streaming, such that the deltas add up to the final text.
 
-Two things could make an early delta wrong later: a multi-byte character split across tokens
-(decoded as U+FFFD until its last byte arrives) and the start of a stop string (the engine
-cuts the final text where a stop string begins). Both are held back until they resolve.
+Decoding is incremental: each event feeds only the ids not seen before to a
+`tokenizers.decoders.DecodeStream` (as `specjax/engine/output.py` does), so a stream costs time
+linear in its length, not a re-decode of the whole output per event.
+
+Two things could make an early delta wrong later, and both are held back until they resolve:
+a multi-byte character split across tokens (`DecodeStream` yields nothing until its last byte
+arrives) and the start of a stop string (the engine cuts the final text where a stop string
+begins). Held-back text is only ever a suffix that could start a stop string, so it stays
+short. At the finish the engine's final text is authoritative: the last delta is whatever of
+it the client has not been sent.
 """
 from __future__ import annotations
 
-from typing import Sequence
+import os
+from typing import Any, Protocol, Sequence
 
-from specjax.tokenizer import Tokenizer
+import tokenizers
+from tokenizers.decoders import DecodeStream
 
-REPLACEMENT = "\ufffd"
+REPLACEMENT = "\ufffd"   # what a split character decodes to on its own: never sent
+
+
+class StepDecoder(Protocol):
+    def step(self, tokenizer: Any, token_id: int) -> str | None: ...
+
+
+class PieceDecoder:
+    """For a tokenizer without a `tokenizers` backend (test doubles, piece-per-token
+    vocabularies): each id decodes on its own."""
+
+    def step(self, tokenizer: Any, token_id: int) -> str | None:
+        return tokenizer.decode([token_id]) or None
 
 
 def stop_prefix_len(text: str, stops: Sequence[str]) -> int:
@@ -27,27 +48,45 @@ def stop_prefix_len(text: str, stops: Sequence[str]) -> int:
 class TextStream:
     """Feed the engine's cumulative outputs; get the text not sent yet."""
 
-    def __init__(self, tokenizer: Tokenizer, stops: Sequence[str] = ()):
-        self.tokenizer = tokenizer
+    def __init__(self, tokenizer: Any, stops: Sequence[str] = ()):
         self.stops = tuple(stops)
-        self.sent = ""
+        backend = getattr(tokenizer, "backend", None)
+        if isinstance(backend, tokenizers.Tokenizer):
+            self._decoder: StepDecoder = DecodeStream(skip_special_tokens=True)
+            self._source: Any = backend
+        else:
+            self._decoder, self._source = PieceDecoder(), tokenizer
+        self._fed = 0              # ids of the output given to the decoder so far
+        self._parts: list[str] = []  # what was sent, joined only when asked for
+        self._held = ""            # decoded and not sent: a possible stop string's start
+
+    @property
+    def sent(self) -> str:
+        return "".join(self._parts)
 
     def delta(self, token_ids: Sequence[int], finished: bool, final_text: str | None = None) -> str:
-        """New text for the output so far; `final_text` (the engine's, stop strings cut) wins
-        once the request has finished."""
+        """New text for the output so far (`token_ids` is cumulative); `final_text` (the
+        engine's, stop strings cut) wins once the request has finished."""
+        for token in token_ids[self._fed:]:
+            piece = self._decoder.step(self._source, token)
+            if piece:
+                self._held += piece
+        self._fed = len(token_ids)
         if finished and final_text is not None:
-            text = final_text
-        else:
-            text = self.tokenizer.decode(token_ids)
-            if not finished:
-                text = text.rstrip(REPLACEMENT)
-                text = text[:len(text) - stop_prefix_len(text, self.stops)]
-        if not text.startswith(self.sent):
-            # Cannot happen with byte-level decoders; never resend what the client has.
-            common = 0
-            while common < min(len(text), len(self.sent)) and text[common] == self.sent[common]:
-                common += 1
-            text = self.sent + text[common:] if finished else self.sent
-        new = text[len(self.sent):]
-        self.sent = text
+            return self._finish(final_text)
+        # Only the held text can start a stop string: a longer candidate reaching into sent
+        # text would have been held back when that text was sent.
+        keep = 0 if finished else stop_prefix_len(self._held, self.stops)
+        new, self._held = self._held[:len(self._held) - keep], self._held[len(self._held) - keep:]
+        if new:
+            self._parts.append(new)
+        return new
+
+    def _finish(self, final_text: str) -> str:
+        sent = self.sent
+        common = len(sent) if final_text.startswith(sent) else \
+            len(os.path.commonprefix([sent, final_text]))
+        # A mismatch cannot happen with byte-level decoders; never resend what the client has.
+        new = final_text[common:]
+        self._parts, self._held = [sent, new], ""
         return new

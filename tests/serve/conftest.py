@@ -40,7 +40,8 @@ def live(bundled_tokenizer):
     greedy = specjax.SamplingParams(max_tokens=REFERENCE_MAX_TOKENS)
     reference = dict(zip(REFERENCE_PROMPTS, llm.generate(REFERENCE_PROMPTS, greedy)))
     settings = ServerSettings(model_names=(MODEL_NAME, "tiny-alias"), api_key=API_KEY,
-                              max_queue=64, max_tokens_cap=100, max_body_bytes=64 * 1024)
+                              max_queue=64, max_tokens_cap=100, max_body_bytes=64 * 1024,
+                              shutdown_timeout=5)
     app = create_app(llm, settings)
     url, server, thread = serve_in_thread(app)
     live = LiveServer(url, app, llm, bundled_tokenizer, reference, server, thread)

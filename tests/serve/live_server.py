@@ -12,6 +12,7 @@ import uvicorn
 
 import specjax
 from specjax.models import ModelConfig
+from specjax.serve.http_server import build_server
 from specjax.tokenizer import Tokenizer
 
 API_KEY = "test-key-7f3a"
@@ -66,11 +67,13 @@ class LiveServer:
 
 
 def serve_in_thread(app) -> tuple[str, uvicorn.Server, threading.Thread]:
-    """Start uvicorn on a socket we bound ourselves (port 0: no race for a free port)."""
+    """Start the app (`create_app`'s, or any ASGI app with `app.state.server`) the way
+    `python -m specjax.serve` does, on a socket we bound ourselves (port 0: no race for a
+    free port)."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
+    server = build_server(app, log_level="warning")
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 60

@@ -1,0 +1,112 @@
+"""A request body -> the prompt ids and `SamplingParams` the engine gets, every check included.
+
+`RequestPreparer` is plain synchronous code: the app runs it in a worker thread, because
+rendering a chat template and tokenising a prompt of up to the body limit (1 MiB) takes long
+enough to stall every other connection if it ran on the event loop. It reads only immutable
+engine facts, never the engine. Failures raise `InvalidArgument` or `APIError`, which become
+400s naming the parameter.
+
+Lengths follow one rule: a client that names an output length (`max_tokens`,
+`max_completion_tokens`) gets it or a 400 saying how much room the prompt left; without one,
+the default is cut to the room left (chat: all of it; completions: OpenAI's 16 at most).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+from specjax.sampling_params import SamplingParams
+from specjax.serve.chat import ChatTemplate
+from specjax.serve.errors import APIError
+from specjax.serve.protocol import (COMPLETIONS_DEFAULT_MAX_TOKENS, ChatCompletionRequest,
+                                    CompletionRequest, GenerationRequest)
+from specjax.tokenizer import Tokenizer
+from specjax.validation import InvalidArgument, check_prompt, check_request, check_room, shown
+
+
+@dataclasses.dataclass(frozen=True)
+class Prepared:
+    prompt_ids: list[int]
+    params: SamplingParams
+
+
+def check_text(param: str, text: str) -> None:
+    """Text the tokenizer can take: JSON may carry lone surrogates ("\\ud800"), which are
+    not Unicode scalar values and which no UTF-8 tokenizer accepts."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidArgument(param, f"{param} is not valid Unicode text: it holds the lone "
+                                     f"surrogate U+{ord(text[e.start]):04X} at index "
+                                     f"{e.start}") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestPreparer:
+    tokenizer: Tokenizer
+    chat_template: ChatTemplate
+    model_names: tuple[str, ...]
+    vocab_size: int
+    max_len: int           # the context: prompt + output
+    max_tokens_cap: int    # the server's limit on one request's output
+
+    def completion(self, body: CompletionRequest) -> Prepared:
+        self.check_model(body.model)
+        params = body.sampling_params(COMPLETIONS_DEFAULT_MAX_TOKENS, self.max_tokens_cap)
+        self.check_stops(params.stop)
+        return self.finish(body, self.completion_prompt(body.prompt), params, "prompt")
+
+    def chat(self, body: ChatCompletionRequest) -> Prepared:
+        self.check_model(body.model)
+        params = body.sampling_params(self.max_tokens_cap, self.max_tokens_cap)
+        self.check_stops(params.stop)
+        return self.finish(body, self.chat_prompt(body), params, "messages")
+
+    def check_model(self, model: str) -> None:
+        if model not in self.model_names:
+            raise APIError(400, f"model {shown(model)} is not served here; this server serves "
+                                f"{self.model_names[0]!r}", "model", "model_not_found")
+
+    @staticmethod
+    def check_stops(stops: Sequence[str]) -> None:
+        for stop in stops:
+            check_text("stop", stop)
+
+    def completion_prompt(self, prompt: Any) -> list[int]:
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
+                raise InvalidArgument("prompt", f"prompt holds {len(prompt)} prompts; this "
+                                                "server takes one prompt per request")
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            check_text("prompt", prompt)
+            return self.tokenizer.encode(prompt, add_bos=True)
+        return list(prompt)
+
+    def chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
+        if not body.messages:
+            raise InvalidArgument("messages", "messages must hold at least one message")
+        for i, message in enumerate(body.messages):
+            if isinstance(message.content, list):
+                for j, part in enumerate(message.content):
+                    check_text(f"messages[{i}].content[{j}].text", part.text)
+            elif message.content is not None:
+                check_text(f"messages[{i}].content", message.content)
+        text = self.chat_template.render([{"role": m.role, "content": m.text()}
+                                          for m in body.messages])
+        check_text("messages", text)  # a checkpoint's template could still produce one
+        return self.tokenizer.encode(text, add_bos=self.chat_template.add_bos)
+
+    def finish(self, body: GenerationRequest, prompt_ids: list[int], params: SamplingParams,
+               param: str) -> Prepared:
+        """The prompt checks `Engine.validate` runs, and the output length fitted to the room
+        the prompt leaves."""
+        check_prompt(prompt_ids, self.vocab_size, self.max_len, param=param)
+        requested, name = body.requested_max_tokens()
+        if requested is not None:
+            check_room(len(prompt_ids), requested, self.max_len, param=name)
+        else:
+            room = self.max_len - len(prompt_ids)   # >= 1: check_prompt made sure
+            params = dataclasses.replace(params, max_tokens=min(params.max_tokens, room))
+        check_request(prompt_ids, params, SamplingParams, self.vocab_size, self.max_len)
+        return Prepared(prompt_ids, params)

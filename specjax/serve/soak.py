@@ -1,0 +1,544 @@
+"""`python -m specjax.serve.soak --spawn --duration 600 --clients 32`
+
+A soak test of a running server (`--url`, `--api-key`) or of one started here (`--spawn`: on a
+free loopback port, with a KV pool so small that requests are preempted all the time). For
+`--duration` seconds `--clients` clients loop over random requests: streaming and
+non-streaming /v1/completions and /v1/chat/completions, greedy and sampled, always seeded;
+streams abandoned after a few chunks; and ~5% bad requests, which must be refused with a 4xx
+and an OpenAI-style error body. A seeded (prompt, parameters) pair must give the same text
+every time, preempted or not. Afterwards the server must go idle with every KV block free.
+
+Prints one table; exits 1 if a request was lost (no [DONE], connection error, timeout), failed
+unexpectedly, gave a different text than before, or a KV block leaked (or, with --spawn, if the
+server did not exit cleanly on SIGTERM).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import dataclasses
+import json
+import os
+import random
+import secrets
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+import httpx
+
+from specjax.serve.loadtest import StreamResult, percentile, stream_completion
+
+COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
+# Small pools, so that the same (prompt, parameters) key recurs and can be compared.
+SAMPLING: tuple[dict[str, Any], ...] = (
+    {"temperature": 0}, {"temperature": 0.5}, {"temperature": 0.8, "top_p": 0.9},
+    {"temperature": 1.2, "top_k": 40}, {"temperature": 1.0, "top_p": 0.95, "top_k": 100})
+MAX_TOKENS_LADDER = (8, 24, 64, 160, 300)   # plus the most that fits, to fill the context
+WORDS = ("alpha", "beta", "gamma", "delta", "value", "index", "result", "buffer", "queue",
+         "token", "cache", "block")
+# A byte-level tokenizer gives at most one token per byte; a chat template adds fewer than this
+# many. So a prompt of `max_len - TEMPLATE_SLACK - 8` bytes leaves room for 8 tokens, before
+# the server has told us (in `usage`) how many tokens it really is.
+TEMPLATE_SLACK = 48
+INJECTED = ("top_k_overflow", "lone_surrogate", "over_context", "invalid_json",
+            "unknown_model", "too_many_stops")
+Key = tuple[str, int, int, int, int]   # endpoint, prompt, max_tokens, sampling, seed
+
+
+@dataclasses.dataclass
+class SoakConfig:
+    url: str
+    api_key: str | None = None
+    duration: float = 600.0
+    clients: int = 32
+    max_tokens_cap: int = 300          # keep within the server's --max-tokens-cap
+    prompts: int = 16
+    seeds: int = 2
+    seed: int = 0                      # of the clients' choices, for a reproducible mix
+    inject_rate: float = 0.05
+    repeat_rate: float = 0.3           # replays of an already completed key
+    request_timeout: float = 300.0
+    idle_timeout: float = 60.0
+
+
+@dataclasses.dataclass
+class SoakReport:
+    sent: int = 0
+    completed: int = 0
+    disconnected: int = 0
+    rejected_429: int = 0
+    lost: int = 0
+    failed_unexpectedly: int = 0
+    injected: int = 0
+    injected_answered_wrong: int = 0
+    checked: int = 0                   # completions compared with an earlier one of their key
+    mismatched: int = 0
+    completion_tokens: int = 0
+    elapsed_s: float = 0.0
+    ttfts: list[float] = dataclasses.field(default_factory=list)
+    injected_by_kind: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    wrong_by_kind: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    server_idle: bool | None = None
+    kv_blocks_total: float | None = None
+    kv_blocks_free: float | None = None
+    preemptions: float | None = None   # None: /metrics has no preemption counter
+    engine_errors: float | None = None
+    server_exit_code: int | None = None
+    server_shutdown_s: float | None = None
+    problems: list[str] = dataclasses.field(default_factory=list)
+
+    def note(self, problem: str) -> None:
+        if len(self.problems) < 20:   # examples, not a log
+            self.problems.append(problem[:400])
+
+    @property
+    def leaked(self) -> float | None:
+        if self.kv_blocks_total is None or self.kv_blocks_free is None:
+            return None
+        return self.kv_blocks_total - self.kv_blocks_free
+
+    def failures(self, spawned: bool = False) -> list[str]:
+        checks = {"lost": self.lost, "mismatched": self.mismatched,
+                  "failed unexpectedly": self.failed_unexpectedly,
+                  "injected answered wrong": self.injected_answered_wrong}
+        out = [f"{name}: {n}" for name, n in checks.items() if n]
+        if self.leaked is None:
+            out.append("KV block gauges missing from /metrics")
+        elif self.leaked:
+            out.append(f"KV blocks leaked: {self.leaked:g}")
+        if self.server_idle is False:
+            out.append("the server did not go idle")
+        if spawned and self.server_exit_code != 0:
+            out.append(f"the server did not exit cleanly (code {self.server_exit_code})")
+        return out
+
+    def figures(self) -> dict[str, Any]:
+        skip = {"ttfts", "injected_by_kind", "wrong_by_kind", "problems"}
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in skip}
+        out.update(kv_blocks_leaked=self.leaked,
+                   ttft_p50_s=percentile(self.ttfts, 50), ttft_p99_s=percentile(self.ttfts, 99),
+                   tokens_per_s=self.completion_tokens / self.elapsed_s if self.elapsed_s else 0.0,
+                   injected_by_kind={k: [self.injected_by_kind[k], self.wrong_by_kind[k]]
+                                     for k in INJECTED},
+                   problems=self.problems)
+        return out
+
+
+def make_prompt(index: int, max_bytes: int) -> str:
+    """Code-like text of 1-60 lines (log-uniform: short prompts are common), distinct per index."""
+    rng = random.Random(index)
+    lines = [f"# module {index}: {rng.choice(WORDS)} {rng.choice(WORDS)}"]
+    for j in range(round(60 ** rng.random())):
+        lines.append(rng.choice([f"x = {j}", f"{rng.choice(WORDS)}_{j} = {rng.choice(WORDS)}[{j}]",
+                                 f"def {rng.choice(WORDS)}_{j}(a, b):\n    return a + b * {j}",
+                                 f'print("{rng.choice(WORDS)} {rng.choice(WORDS)}", {j})']))
+    text = ""
+    for line in lines:
+        if len((text + line + "\n").encode()) > max_bytes:
+            break
+        text += line + "\n"
+    return text or lines[0][:max(1, max_bytes)]
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    samples = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            samples[name] = float(value)
+    return samples
+
+
+class Soak:
+    def __init__(self, config: SoakConfig, client: httpx.AsyncClient, model: str, max_len: int):
+        self.config, self.client, self.model, self.max_len = config, client, model, max_len
+        self.url = config.url.rstrip("/")
+        self.headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
+        self.report = SoakReport()
+        budget = max(8, max_len - TEMPLATE_SLACK - 8)
+        self.prompts = [make_prompt(i, budget) for i in range(config.prompts)]
+        self.prompt_tokens: dict[tuple[str, int], int] = {}   # learned from `usage`
+        self.first_text: dict[Key, str] = {}
+        self.keys: list[Key] = []
+
+    # -- what to send ---------------------------------------------------------------------
+
+    def room(self, path: str, index: int) -> int:
+        """The largest max_tokens this prompt surely has room for."""
+        used = self.prompt_tokens.get((path, index))
+        if used is None:
+            used = len(self.prompts[index].encode()) + TEMPLATE_SLACK
+        return max(1, min(self.config.max_tokens_cap, self.max_len - used))
+
+    def new_key(self, rng: random.Random) -> Key:
+        path = rng.choice((COMPLETIONS, CHAT))
+        index = rng.choices(range(len(self.prompts)), [1 / (i + 1) for i in range(len(self.prompts))])[0]
+        room = self.room(path, index)
+        max_tokens = rng.choice([m for m in MAX_TOKENS_LADDER if m < room] + [room])
+        return path, index, max_tokens, rng.randrange(len(SAMPLING)), rng.randrange(self.config.seeds)
+
+    def body(self, key: Key) -> dict[str, Any]:
+        path, index, max_tokens, sampling, seed = key
+        prompt = ({"prompt": self.prompts[index]} if path == COMPLETIONS
+                  else {"messages": [{"role": "user", "content": self.prompts[index]}]})
+        return {"model": self.model, **prompt, "max_tokens": max_tokens, **SAMPLING[sampling],
+                "seed": 1000 + seed}
+
+    # -- the clients ----------------------------------------------------------------------
+
+    async def client_loop(self, number: int, deadline: float) -> None:
+        rng = random.Random(self.config.seed * 100_003 + number)
+        while time.monotonic() < deadline:
+            if rng.random() < self.config.inject_rate:
+                await self.inject(rng)
+                continue
+            replay = self.keys and rng.random() < self.config.repeat_rate
+            status = await self.generate(rng, rng.choice(self.keys) if replay else self.new_key(rng))
+            if status == 429:
+                await asyncio.sleep(rng.uniform(0.05, 0.3))
+
+    async def generate(self, rng: random.Random, key: Key) -> int:
+        body, path = self.body(key), key[0]
+        mode = rng.choices(("stream", "plain", "abandon"), (70, 15, 15))[0]
+        self.report.sent += 1
+        abandoned = False
+        try:
+            if mode == "plain":
+                result = await asyncio.wait_for(self.post(path, body), self.config.request_timeout)
+            elif mode == "stream" and path == COMPLETIONS:
+                result = await asyncio.wait_for(stream_completion(
+                    self.client, self.url, body, self.headers), self.config.request_timeout)
+            else:
+                after = rng.randint(1, 4) if mode == "abandon" else None
+                result, abandoned = await asyncio.wait_for(self.stream(path, body, after),
+                                                           self.config.request_timeout)
+        except TimeoutError:
+            result = StreamResult(0, error=f"no answer within {self.config.request_timeout:g} s")
+        except (ValueError, KeyError, TypeError, IndexError, AttributeError) as e:  # malformed
+            result = StreamResult(-1, error=f"malformed response: {type(e).__name__}: {e}")
+        self.record(key, mode, result, abandoned)
+        return result.status
+
+    async def post(self, path: str, body: dict[str, Any]) -> StreamResult:
+        try:
+            response = await self.client.post(self.url + path, json=body, headers=self.headers)
+        except httpx.HTTPError as e:
+            return StreamResult(0, error=f"{type(e).__name__}: {e}")
+        result = StreamResult(response.status_code)
+        if response.status_code != 200:
+            result.error = response.text[:300]
+            return result
+        payload = response.json()
+        choice = payload["choices"][0]
+        result.text = choice["text"] if path == COMPLETIONS else choice["message"]["content"]
+        result.finish_reason = choice["finish_reason"]
+        result.completion_tokens = payload["usage"]["completion_tokens"]
+        result.prompt_tokens = payload["usage"]["prompt_tokens"]
+        result.completed = True
+        return result
+
+    async def stream(self, path: str, body: dict[str, Any], abandon_after: int | None
+                     ) -> tuple[StreamResult, bool]:
+        """Like `stream_completion`, for either endpoint, optionally closing the connection
+        after `abandon_after` chunks; returns (result, whether it was abandoned)."""
+        start, chunks = time.perf_counter(), 0
+        body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+        try:
+            async with self.client.stream("POST", self.url + path, json=body,
+                                          headers=self.headers) as response:
+                result = StreamResult(response.status_code)
+                if response.status_code != 200:
+                    result.error = (await response.aread()).decode(errors="replace")[:300]
+                    return result, False
+                async for line in response.aiter_lines():
+                    if not line.startswith("data: "):
+                        continue
+                    if line == "data: [DONE]":
+                        result.completed = True
+                        break
+                    chunk = json.loads(line[len("data: "):])
+                    if "error" in chunk:
+                        result.error = str(chunk["error"])[:300]
+                        break
+                    for choice in chunk.get("choices", []):
+                        piece = choice.get("text") if path == COMPLETIONS else choice["delta"].get("content")
+                        if piece and result.ttft is None:
+                            result.ttft = time.perf_counter() - start
+                        result.text += piece or ""
+                        result.finish_reason = choice.get("finish_reason") or result.finish_reason
+                    if chunk.get("usage"):
+                        result.completion_tokens = chunk["usage"]["completion_tokens"]
+                        result.prompt_tokens = chunk["usage"]["prompt_tokens"]
+                    chunks += 1
+                    if abandon_after is not None and chunks >= abandon_after:
+                        return result, True
+        except httpx.HTTPError as e:
+            return StreamResult(0, error=f"{type(e).__name__}: {e}"), False
+        result.latency = time.perf_counter() - start
+        return result, False
+
+    def record(self, key: Key, mode: str, result: StreamResult, abandoned: bool) -> None:
+        r, where = self.report, f"{mode} {key}"
+        if result.status == 429:
+            r.rejected_429 += 1
+        elif result.status == 0 or (result.status == 200 and result.error is None
+                                    and not result.completed and not abandoned):
+            r.lost += 1
+            r.note(f"lost: {where}: {result.error or 'the stream ended without [DONE]'}")
+        elif result.status != 200 or result.error is not None:
+            r.failed_unexpectedly += 1
+            r.note(f"failed: {where}: status {result.status}: {result.error}")
+        elif abandoned:
+            r.disconnected += 1
+        elif result.finish_reason is None or result.completion_tokens > key[2] or (
+                result.finish_reason == "length" and result.completion_tokens != key[2]):
+            r.failed_unexpectedly += 1
+            r.note(f"failed: {where}: finish_reason {result.finish_reason!r} with "
+                   f"{result.completion_tokens} tokens")
+        else:
+            r.completed += 1
+            r.completion_tokens += result.completion_tokens
+            if mode != "plain" and result.ttft is not None:
+                r.ttfts.append(result.ttft)
+            if result.prompt_tokens:
+                self.prompt_tokens[key[:2]] = result.prompt_tokens
+            if key not in self.first_text:
+                self.first_text[key] = result.text
+                self.keys.append(key)
+            else:
+                r.checked += 1
+                if result.text != self.first_text[key]:
+                    r.mismatched += 1
+                    r.note(f"mismatch: {where}: {self.first_text[key][:80]!r} then "
+                           f"{result.text[:80]!r}")
+
+    async def inject(self, rng: random.Random) -> None:
+        kind = rng.choice(INJECTED)
+        key = self.new_key(rng)
+        path, index = key[:2]
+        body = {**self.body(key), "stream": rng.random() < 0.5}
+        prompt_field = "prompt" if path == COMPLETIONS else "messages"
+        if kind == "top_k_overflow":
+            body["top_k"] = 2**31
+        elif kind == "unknown_model":
+            body["model"] = "no-such-model"
+        elif kind == "too_many_stops":
+            body["stop"] = [f"stop{i}" for i in range(16)]
+        elif kind == "over_context":
+            used = self.prompt_tokens.get((path, index))
+            if used is not None and self.max_len - used + 1 <= self.config.max_tokens_cap:
+                body["max_tokens"] = self.max_len - used + 1   # one token past the context
+            else:  # the cap forbids that max_tokens anyway: a prompt longer than the context
+                long = "x = 1\n" * self.max_len
+                body[prompt_field] = long if path == COMPLETIONS else [{"role": "user", "content": long}]
+        elif kind == "lone_surrogate":
+            text = "ab\ud800cd"
+            body[prompt_field] = text if path == COMPLETIONS else [{"role": "user", "content": text}]
+        # json.dumps escapes the surrogate as \ud800: valid JSON text that decodes to no UTF-8.
+        content = json.dumps(body).encode()
+        if kind == "invalid_json":
+            content = content[:-1]
+        self.report.sent += 1
+        self.report.injected += 1
+        self.report.injected_by_kind[kind] += 1
+        headers = {**self.headers, "Content-Type": "application/json"}
+        try:
+            response = await asyncio.wait_for(self.client.post(
+                self.url + path, content=content, headers=headers), self.config.request_timeout)
+            status, text = response.status_code, response.text
+            payload = json.loads(text) if text.startswith("{") else None
+            error = payload.get("error") if isinstance(payload, dict) else None
+            # 429 would mean the request was queued before it was checked.
+            if 400 <= status < 500 and status != 429 and isinstance(error, dict) \
+                    and isinstance(error.get("message"), str):
+                return
+            problem = f"status {status}: {text[:200]}"
+        except (httpx.HTTPError, TimeoutError, ValueError) as e:
+            problem = f"{type(e).__name__}: {e}"
+        self.report.injected_answered_wrong += 1
+        self.report.wrong_by_kind[kind] += 1
+        self.report.note(f"injected {kind} on {path} answered wrong: {problem}")
+
+    async def settle(self) -> None:
+        """Wait for the server to go idle, then read the KV pool and engine counters."""
+        r, deadline = self.report, time.monotonic() + self.config.idle_timeout
+        while True:
+            response = await self.client.get(self.url + "/metrics", headers=self.headers)
+            m = parse_metrics(response.text)
+            r.kv_blocks_free = m.get("specjax_kv_blocks_free")
+            r.kv_blocks_total = m.get("specjax_kv_blocks_total")
+            r.server_idle = (m.get("specjax_requests_running") == 0
+                             and m.get("specjax_requests_waiting") == 0)
+            if (r.server_idle and r.leaked == 0) or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.2)
+        preempt = [v for k, v in m.items()
+                   if "preempt" in k.split("{")[0] and not k.split("{")[0].endswith("_created")]
+        r.preemptions = sum(preempt) if preempt else None
+        r.engine_errors = m.get('specjax_requests_total{outcome="error"}', 0.0)
+
+
+async def run_soak(config: SoakConfig) -> SoakReport:
+    """The soak itself, against `config.url`; returns the figures (nothing is printed)."""
+    headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
+    limits = httpx.Limits(max_connections=config.clients + 4,
+                          max_keepalive_connections=config.clients + 4)
+    timeout = httpx.Timeout(config.request_timeout, connect=30.0)
+    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+        listed = await client.get(config.url.rstrip("/") + "/v1/models", headers=headers)
+        listed.raise_for_status()
+        served = listed.json()["data"][0]
+        soak = Soak(config, client, served["id"], int(served["max_model_len"]))
+        start = time.monotonic()
+        # In-flight requests run to their end after the deadline: none is cut short here.
+        await asyncio.gather(*(soak.client_loop(i, start + config.duration)
+                               for i in range(config.clients)))
+        soak.report.elapsed_s = time.monotonic() - start
+        await soak.settle()
+    return soak.report
+
+
+class SpawnedServer:
+    """`python -m specjax.serve` in a subprocess on a free loopback port, logging to a file."""
+
+    def __init__(self, server_args: list[str]):
+        with socket.socket() as sock:   # free now; the server binds it a moment later
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        self.url, self.api_key = f"http://127.0.0.1:{port}", secrets.token_hex(16)
+        log, self.log = tempfile.mkstemp(prefix="specjax-soak-server-", suffix=".log")
+        command = [sys.executable, "-m", "specjax.serve", "--host", "127.0.0.1",
+                   "--port", str(port), "--api-key", self.api_key, *server_args]
+        self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+        os.close(log)
+
+    def tail(self, lines: int = 15) -> str:
+        with open(self.log, errors="replace") as f:
+            return "".join(f.readlines()[-lines:])
+
+    def wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"the server exited with code {self.process.returncode}:\n"
+                                   f"{self.tail()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(f"the server was not healthy after {timeout:g} s:\n{self.tail()}")
+
+    def stop(self, timeout: float) -> tuple[int | None, float]:
+        """SIGTERM; (exit code or None if it had to be killed, seconds it took)."""
+        start = time.monotonic()
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+                return None, time.monotonic() - start
+        return self.process.returncode, time.monotonic() - start
+
+
+def format_table(report: SoakReport, spawned: bool) -> str:
+    f = report.figures()
+    ms = lambda v: "n/a" if v is None else f"{1000 * v:.0f} ms"
+    num = lambda v: "n/a" if v is None else f"{v:g}"
+    wrong_kinds = ", ".join(f"{k} {n}" for k, n in report.wrong_by_kind.items())
+    rows = [("requests sent", f["sent"], False), ("completed", f["completed"], False),
+            ("disconnected (deliberately)", f["disconnected"], False),
+            ("429 (queue full)", f["rejected_429"], False), ("lost", f["lost"], f["lost"] > 0),
+            ("failed unexpectedly", f["failed_unexpectedly"], f["failed_unexpectedly"] > 0),
+            ("injected bad requests", f["injected"], False),
+            ("injected answered wrong", f"{f['injected_answered_wrong']}"
+             + (f" ({wrong_kinds})" if wrong_kinds else ""), f["injected_answered_wrong"] > 0),
+            ("determinism checks", f["checked"], False),
+            ("mismatched", f["mismatched"], f["mismatched"] > 0),
+            ("TTFT p50 / p99", f"{ms(f['ttft_p50_s'])} / {ms(f['ttft_p99_s'])}", False),
+            ("tokens/s", (f"{f['tokens_per_s']:.1f} ({f['completion_tokens']} in "
+                          f"{f['elapsed_s']:.0f} s)"), False),
+            ("server idle afterwards", f["server_idle"], f["server_idle"] is False),
+            ("KV blocks free / total", f"{num(f['kv_blocks_free'])} / {num(f['kv_blocks_total'])}",
+             False),
+            ("KV blocks leaked", num(f["kv_blocks_leaked"]), f["kv_blocks_leaked"] != 0),
+            ("preemptions", "n/a (no counter in /metrics)" if f["preemptions"] is None
+             else num(f["preemptions"]), False),
+            ("engine errors (/metrics)", num(f["engine_errors"]), False)]
+    if spawned:
+        rows.append(("server exit on SIGTERM", (f"code {f['server_exit_code']} after "
+                                                f"{f['server_shutdown_s']:.1f} s"),
+                     f["server_exit_code"] != 0))
+    width = max(len(name) for name, _, _ in rows)
+    return "\n".join(f"{name:<{width}}  {value}{'   <-- FAIL' if bad else ''}"
+                     for name, value, bad in rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m specjax.serve.soak", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    target = parser.add_mutually_exclusive_group(required=True)
+    target.add_argument("--url", help="a running server")
+    target.add_argument("--spawn", action="store_true", help="start `python -m specjax.serve`")
+    parser.add_argument("--api-key", default=os.environ.get("SPECJAX_API_KEY"))
+    parser.add_argument("--server-args", default="--kv-blocks 66",
+                        help="extra arguments of the spawned server (default: a KV pool that "
+                             "holds about one full-length request of the bundled model)")
+    parser.add_argument("--duration", type=float, default=600.0)
+    parser.add_argument("--clients", type=int, default=32)
+    parser.add_argument("--max-tokens-cap", type=int, default=300)
+    parser.add_argument("--prompts", type=int, default=16, help="size of the prompt pool")
+    parser.add_argument("--seeds", type=int, default=2, help="size of the request seed pool")
+    parser.add_argument("--seed", type=int, default=0, help="of the clients' random choices")
+    parser.add_argument("--request-timeout", type=float, default=300.0)
+    parser.add_argument("--startup-timeout", type=float, default=300.0)
+    parser.add_argument("--shutdown-timeout", type=float, default=60.0)
+    parser.add_argument("--json", default=None, help="also write the figures to this file")
+    args = parser.parse_args(argv)
+    if min(args.clients, args.max_tokens_cap, args.prompts, args.seeds) < 1 or args.duration < 0:
+        parser.error("--clients, --max-tokens-cap, --prompts and --seeds must be >= 1")
+    server = SpawnedServer(shlex.split(args.server_args)) if args.spawn else None
+    config = SoakConfig(url=server.url if server else args.url,
+                        api_key=server.api_key if server else args.api_key,
+                        duration=args.duration, clients=args.clients,
+                        max_tokens_cap=args.max_tokens_cap, prompts=args.prompts,
+                        seeds=args.seeds, seed=args.seed, request_timeout=args.request_timeout)
+    try:
+        if server:
+            print(f"starting the server (log: {server.log}) ...", file=sys.stderr)
+            server.wait_ready(args.startup_timeout)
+        print(f"soaking {config.url} for {config.duration:g} s with {config.clients} clients",
+              file=sys.stderr)
+        report = asyncio.run(run_soak(config))
+    except (RuntimeError, httpx.HTTPError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        if server:
+            code, took = server.stop(args.shutdown_timeout)
+    if server:
+        report.server_exit_code, report.server_shutdown_s = code, took
+    print(format_table(report, server is not None))
+    for problem in report.problems:
+        print(f"  {problem}", file=sys.stderr)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report.figures(), f, indent=2)
+    failures = report.failures(spawned=server is not None)
+    if failures:
+        print("FAILED: " + "; ".join(failures), file=sys.stderr)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,30 @@
+"""A short soak of the live server: random streaming, non-streaming, abandoned and malformed
+requests from 8 clients for a few seconds; nothing lost, nothing different, no KV block left."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+from live_server import API_KEY
+
+from specjax.serve.soak import SoakConfig, run_soak
+
+
+def test_soak_loses_nothing_and_answers_bad_requests_with_4xx(server):
+    start = time.monotonic()
+    # The live server caps max_tokens at 100; a small prompt pool makes keys recur, and a
+    # high injection rate makes every bad-request kind likely to come up in 8 s.
+    config = SoakConfig(url=server.url, api_key=API_KEY, duration=8, clients=8,
+                        max_tokens_cap=100, prompts=4, seeds=1, inject_rate=0.15,
+                        request_timeout=60, idle_timeout=20)
+    report = asyncio.run(run_soak(config))
+    problems = "\n".join(report.problems)
+    assert report.sent > 0 and report.completed > 0, report.figures()
+    assert report.lost == 0, problems
+    assert report.failed_unexpectedly == 0, problems
+    assert report.injected > 0
+    assert report.injected_answered_wrong == 0, problems
+    assert report.checked > 0 and report.mismatched == 0, problems
+    assert report.server_idle and report.leaked == 0, report.figures()
+    assert report.engine_errors == 0
+    assert time.monotonic() - start < 30
