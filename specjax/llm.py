@@ -67,7 +67,9 @@ class LLM:
                  progress: bool = False) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in prompt order.
 
-        Every prompt and parameter set is validated before any request starts.
+        Every prompt and parameter set is validated before any request starts. A request
+        whose own work fails while it runs (e.g. a user drafter raising) comes back with
+        finish_reason "error" and the reason in `error`; the others are unaffected.
         """
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
