@@ -81,6 +81,8 @@ class EngineSnapshot:
     kv_blocks_total: int = 0
     num_steps: int = 0
     num_generated_tokens: int = 0
+    num_preemptions: int = 0
+    num_failed_requests: int = 0
     acceptance_length: float | None = None
     acceptance_rate: float | None = None
     draft_overhead: float | None = None
@@ -159,6 +161,7 @@ class Engine:
             kv_blocks_free=self.allocator.num_free_blocks,
             kv_blocks_total=self.allocator.total_blocks, num_steps=self.num_steps,
             num_generated_tokens=stats.num_generated_tokens,
+            num_preemptions=stats.num_preemptions, num_failed_requests=stats.num_failed_requests,
             acceptance_length=stats.acceptance_length, acceptance_rate=stats.acceptance_rate,
             draft_overhead=stats.draft_overhead)
 
@@ -351,6 +354,7 @@ class Engine:
         self._advanced[request.request_id] = request
 
     def _on_preempt(self, request: Request) -> None:
+        self.stats.num_preemptions += 1
         if self.recorder is not None:
             self.recorder.drop(request)
 
@@ -384,6 +388,7 @@ class Engine:
         self.scheduler.remove(request)
         request.status = Status.FINISHED
         request.finish_reason = reason
+        self.stats.num_failed_requests += reason == "error"
         self.requests.pop(request.request_id, None)
         self._advanced[request.request_id] = request
         request.stats.finish_time = time.perf_counter()
@@ -399,4 +404,5 @@ class Engine:
                 log.error("finishing request %d failed", request.request_id, exc_info=e)
                 if reason != "error":
                     request.finish_reason = reason = "error"
+                    self.stats.num_failed_requests += 1
                     request.error = f"failed while finishing: {type(e).__name__}: {e}"[:500]

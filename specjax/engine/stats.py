@@ -13,6 +13,8 @@ class EngineStats:
     drafted_tokens: int = 0           # drafts verified (the acceptance-rate denominator)
     draft_time: float = 0.0           # host drafter time (in-step drafters are inside step_time)
     step_time: float = 0.0
+    num_preemptions: int = 0          # requests sent back to the queue to free KV blocks
+    num_failed_requests: int = 0      # finished with "error" (their own fault, or the device)
 
     def record_step(self, with_drafts: int, accepted: int, drafted: int) -> None:
         if with_drafts:

@@ -31,7 +31,14 @@ def _params(marked: int | None = VICTIM) -> list[SamplingParams]:
             for i in range(len(PROMPTS))]
 
 
-def _check_isolated(llm, outs, references, victim: int, where: str) -> None:
+def _generate(llm, prompts, params):
+    """Outputs, and the engine's failed-request count before they ran."""
+    before = llm.engine.snapshot().num_failed_requests
+    return llm.generate(prompts, params), before
+
+
+def _check_isolated(llm, outs, references, victim: int, where: str,
+                    failed_before: int) -> None:
     for i, out in enumerate(outs):
         if i == victim:
             assert out.finish_reason == "error" and where in out.error, out.error
@@ -41,6 +48,7 @@ def _check_isolated(llm, outs, references, victim: int, where: str) -> None:
     engine = llm.engine
     assert not engine.has_unfinished()
     assert engine.allocator.num_free_blocks == engine.allocator.total_blocks
+    assert engine.snapshot().num_failed_requests == failed_before + 1
 
 
 def _fault_in_set_row(monkeypatch, phase: str) -> None:
@@ -63,8 +71,8 @@ def _fault_in_set_row(monkeypatch, phase: str) -> None:
 def test_a_row_that_cannot_be_prepared_fails_its_request_alone(tiny_llm, references,
                                                                 monkeypatch, phase):
     _fault_in_set_row(monkeypatch, phase)
-    outs = tiny_llm.generate(PROMPTS, _params())
-    _check_isolated(tiny_llm, outs, references, VICTIM, f"preparing its {phase} row")
+    outs, before = _generate(tiny_llm, PROMPTS, _params())
+    _check_isolated(tiny_llm, outs, references, VICTIM, f"preparing its {phase} row", before)
 
 
 def test_a_ledger_fault_fails_its_request_alone(tiny_llm, references, monkeypatch):
@@ -80,8 +88,8 @@ def test_a_ledger_fault_fails_its_request_alone(tiny_llm, references, monkeypatc
         return real(self, request, *args)
 
     monkeypatch.setattr(Bookkeeper, "_give_back", give_back)
-    outs = tiny_llm.generate(PROMPTS, _params())
-    _check_isolated(tiny_llm, outs, references, VICTIM, "settling its generation step")
+    outs, before = _generate(tiny_llm, PROMPTS, _params())
+    _check_isolated(tiny_llm, outs, references, VICTIM, "settling its generation step", before)
     assert len(outs[VICTIM].token_ids) == 3  # the prompt's token and two generation steps
 
 
@@ -137,7 +145,7 @@ def test_a_drafter_fault_fails_its_request_alone(echo_llm, tiny_model, reference
                                                  where):
     prompts = [list(p) for p in PROMPTS]
     prompts[VICTIM] = [marker] + prompts[VICTIM]
-    outs = echo_llm.generate(prompts, _params(marked=None))
-    _check_isolated(echo_llm, outs, references, VICTIM, where)
+    outs, before = _generate(echo_llm, prompts, _params(marked=None))
+    _check_isolated(echo_llm, outs, references, VICTIM, where, before)
     accepted = sum(out.stats.num_accepted_draft_tokens for out in outs)
     assert 0 < accepted < sum(out.stats.num_draft_tokens for out in outs)  # mixed acceptance
