@@ -245,16 +245,14 @@ def check_unsupported(name: str, value: Any, allowed: Sequence[Any] = (None,)) -
 
 
 def check_draft_tokens(tokens: Any, max_draft_len: int, vocab_size: int) -> list[int]:
-    """A host drafter's proposal, before it reaches a device array: a sequence of at most
-    `max_draft_len` token ids inside the vocabulary. Returns it as a list of ints."""
+    """A host drafter's proposal, before it reaches a device array: token ids inside the
+    vocabulary. Returns the first `max_draft_len` of them as a list of ints (a longer
+    proposal is cut, as verification would cut it)."""
     try:
-        drafts = list(tokens)
+        drafts = list(tokens)[:max_draft_len]
     except TypeError:
         raise InvalidArgument("drafts", f"a drafter must return a sequence of token ids, got "
                                         f"{type(tokens).__name__}") from None
-    if len(drafts) > max_draft_len:
-        raise InvalidArgument("drafts", f"the drafter proposed {len(drafts)} tokens; at most "
-                                        f"{max_draft_len} were asked for")
     for t in drafts:
         if not _is_int(t) or not 0 <= t < vocab_size:
             raise InvalidArgument("drafts", f"the drafter proposed token id {shown(t)}, "

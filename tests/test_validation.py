@@ -145,9 +145,10 @@ def test_messages_never_echo_unbounded_input():
 
 
 @pytest.mark.parametrize("drafts, match", [
-    ([1, 2, 3, 4], "proposed 4 tokens; at most 3"), ([1, 64], "token id 64, outside"),
-    ([1, -1], "token id -1"), ([1.0], "token id 1.0"), (None, "must return a sequence")])
+    ([1, 64], "token id 64, outside"), ([1, -1], "token id -1"), ([1.0], "token id 1.0"),
+    (None, "must return a sequence")])
 def test_drafter_proposals_are_checked(drafts, match):
     assert check_draft_tokens((np.int64(5), 6), 3, 64) == [5, 6]
+    assert check_draft_tokens([1, 2, 3, 4, 99], 3, 64) == [1, 2, 3]  # cut to what is verified
     with pytest.raises(InvalidArgument, match=match):
         check_draft_tokens(drafts, 3, 64)
