@@ -9,8 +9,8 @@ and an OpenAI-style error body. A seeded (prompt, parameters) pair must give the
 every time, preempted or not. Afterwards the server must go idle with every KV block free.
 
 Prints one table; exits 1 if a request was lost (no [DONE], connection error, timeout), failed
-unexpectedly, gave a different text than before, or a KV block leaked (or, with --spawn, if the
-server did not exit cleanly on SIGTERM).
+unexpectedly, gave a different text than before, a bad request was answered wrong, or a KV
+block leaked (or, with --spawn, if the server did not exit cleanly on SIGTERM).
 """
 from __future__ import annotations
 
@@ -43,9 +43,8 @@ SAMPLING: tuple[dict[str, Any], ...] = (
 MAX_TOKENS_LADDER = (8, 24, 64, 160, 300)   # plus the most that fits, to fill the context
 WORDS = ("alpha", "beta", "gamma", "delta", "value", "index", "result", "buffer", "queue",
          "token", "cache", "block")
-# A byte-level tokenizer gives at most one token per byte; a chat template adds fewer than this
-# many. So a prompt of `max_len - TEMPLATE_SLACK - 8` bytes leaves room for 8 tokens, before
-# the server has told us (in `usage`) how many tokens it really is.
+# A byte-level tokenizer gives at most one token per byte and a chat template adds fewer than
+# this many, so a prompt's bytes + TEMPLATE_SLACK bounds its tokens until `usage` tells.
 TEMPLATE_SLACK = 48
 INJECTED = ("top_k_overflow", "lone_surrogate", "over_context", "invalid_json",
             "unknown_model", "too_many_stops")
@@ -82,9 +81,6 @@ class SoakReport:
     mismatched: int = 0
     completion_tokens: int = 0
     elapsed_s: float = 0.0
-    ttfts: list[float] = dataclasses.field(default_factory=list)
-    injected_by_kind: collections.Counter = dataclasses.field(default_factory=collections.Counter)
-    wrong_by_kind: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     server_idle: bool | None = None
     kv_blocks_total: float | None = None
     kv_blocks_free: float | None = None
@@ -92,6 +88,9 @@ class SoakReport:
     engine_errors: float | None = None
     server_exit_code: int | None = None
     server_shutdown_s: float | None = None
+    ttfts: list[float] = dataclasses.field(default_factory=list)
+    injected_by_kind: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    wrong_by_kind: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     problems: list[str] = dataclasses.field(default_factory=list)
 
     def note(self, problem: str) -> None:
@@ -104,47 +103,62 @@ class SoakReport:
             return None
         return self.kv_blocks_total - self.kv_blocks_free
 
+    @property
+    def server_exited_cleanly(self) -> bool:
+        # uvicorn re-raises the SIGTERM it caught once it has shut down gracefully.
+        return self.server_exit_code in (0, -signal.SIGTERM)
+
     def failures(self, spawned: bool = False) -> list[str]:
-        checks = {"lost": self.lost, "mismatched": self.mismatched,
+        counts = {"lost": self.lost, "mismatched": self.mismatched,
                   "failed unexpectedly": self.failed_unexpectedly,
-                  "injected answered wrong": self.injected_answered_wrong}
-        out = [f"{name}: {n}" for name, n in checks.items() if n]
+                  "injected answered wrong": self.injected_answered_wrong,
+                  "engine errors": self.engine_errors}
+        out = [f"{name}: {n}" for name, n in counts.items() if n]
         if self.leaked is None:
-            out.append("KV block gauges missing from /metrics")
+            out.append("no KV block gauges in /metrics")
         elif self.leaked:
             out.append(f"KV blocks leaked: {self.leaked:g}")
-        if self.server_idle is False:
+        if not self.server_idle:
             out.append("the server did not go idle")
-        if spawned and self.server_exit_code != 0:
+        if spawned and not self.server_exited_cleanly:
             out.append(f"the server did not exit cleanly (code {self.server_exit_code})")
         return out
 
     def figures(self) -> dict[str, Any]:
-        skip = {"ttfts", "injected_by_kind", "wrong_by_kind", "problems"}
-        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in skip}
-        out.update(kv_blocks_leaked=self.leaked,
-                   ttft_p50_s=percentile(self.ttfts, 50), ttft_p99_s=percentile(self.ttfts, 99),
+        lists = {"ttfts", "injected_by_kind", "wrong_by_kind", "problems"}
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+               if f.name not in lists}
+        out.update(kv_blocks_leaked=self.leaked, ttft_p50_s=percentile(self.ttfts, 50),
+                   ttft_p99_s=percentile(self.ttfts, 99),
                    tokens_per_s=self.completion_tokens / self.elapsed_s if self.elapsed_s else 0.0,
-                   injected_by_kind={k: [self.injected_by_kind[k], self.wrong_by_kind[k]]
+                   injected_by_kind={k: {"sent": self.injected_by_kind[k],
+                                         "answered_wrong": self.wrong_by_kind[k]}
                                      for k in INJECTED},
                    problems=self.problems)
         return out
 
 
 def make_prompt(index: int, max_bytes: int) -> str:
-    """Code-like text of 1-60 lines (log-uniform: short prompts are common), distinct per index."""
+    """Code-like text of 1-60 lines (log-uniform: short prompts are common), one per index."""
     rng = random.Random(index)
-    lines = [f"# module {index}: {rng.choice(WORDS)} {rng.choice(WORDS)}"]
+    w = lambda: rng.choice(WORDS)
+    lines = [f"# module {index}: {w()} {w()}"]
     for j in range(round(60 ** rng.random())):
-        lines.append(rng.choice([f"x = {j}", f"{rng.choice(WORDS)}_{j} = {rng.choice(WORDS)}[{j}]",
-                                 f"def {rng.choice(WORDS)}_{j}(a, b):\n    return a + b * {j}",
-                                 f'print("{rng.choice(WORDS)} {rng.choice(WORDS)}", {j})']))
+        lines.append(rng.choice([f"x = {j}", f"{w()}_{j} = {w()}[{j}]",
+                                 f"def {w()}_{j}(a, b):\n    return a + b * {j}",
+                                 f'print("{w()} {w()}", {j})']))
     text = ""
     for line in lines:
         if len((text + line + "\n").encode()) > max_bytes:
             break
         text += line + "\n"
     return text or lines[0][:max(1, max_bytes)]
+
+
+def with_prompt(path: str, body: dict[str, Any], text: str) -> dict[str, Any]:
+    if path == COMPLETIONS:
+        return {**body, "prompt": text}
+    return {**body, "messages": [{"role": "user", "content": text}]}
 
 
 def parse_metrics(text: str) -> dict[str, float]:
@@ -162,13 +176,12 @@ class Soak:
         self.url = config.url.rstrip("/")
         self.headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
         self.report = SoakReport()
-        budget = max(8, max_len - TEMPLATE_SLACK - 8)
-        self.prompts = [make_prompt(i, budget) for i in range(config.prompts)]
+        self.prompts = [make_prompt(i, max(8, max_len - TEMPLATE_SLACK - 8))
+                        for i in range(config.prompts)]
+        self.weights = [1 / (i + 1) for i in range(config.prompts)]   # hot keys recur
         self.prompt_tokens: dict[tuple[str, int], int] = {}   # learned from `usage`
         self.first_text: dict[Key, str] = {}
         self.keys: list[Key] = []
-
-    # -- what to send ---------------------------------------------------------------------
 
     def room(self, path: str, index: int) -> int:
         """The largest max_tokens this prompt surely has room for."""
@@ -179,19 +192,16 @@ class Soak:
 
     def new_key(self, rng: random.Random) -> Key:
         path = rng.choice((COMPLETIONS, CHAT))
-        index = rng.choices(range(len(self.prompts)), [1 / (i + 1) for i in range(len(self.prompts))])[0]
+        index = rng.choices(range(len(self.prompts)), self.weights)[0]
         room = self.room(path, index)
         max_tokens = rng.choice([m for m in MAX_TOKENS_LADDER if m < room] + [room])
-        return path, index, max_tokens, rng.randrange(len(SAMPLING)), rng.randrange(self.config.seeds)
+        return (path, index, max_tokens, rng.randrange(len(SAMPLING)),
+                rng.randrange(self.config.seeds))
 
     def body(self, key: Key) -> dict[str, Any]:
         path, index, max_tokens, sampling, seed = key
-        prompt = ({"prompt": self.prompts[index]} if path == COMPLETIONS
-                  else {"messages": [{"role": "user", "content": self.prompts[index]}]})
-        return {"model": self.model, **prompt, "max_tokens": max_tokens, **SAMPLING[sampling],
-                "seed": 1000 + seed}
-
-    # -- the clients ----------------------------------------------------------------------
+        return with_prompt(path, {"model": self.model, "max_tokens": max_tokens,
+                                  **SAMPLING[sampling], "seed": 1000 + seed}, self.prompts[index])
 
     async def client_loop(self, number: int, deadline: float) -> None:
         rng = random.Random(self.config.seed * 100_003 + number)
@@ -200,28 +210,29 @@ class Soak:
                 await self.inject(rng)
                 continue
             replay = self.keys and rng.random() < self.config.repeat_rate
-            status = await self.generate(rng, rng.choice(self.keys) if replay else self.new_key(rng))
-            if status == 429:
+            key = rng.choice(self.keys) if replay else self.new_key(rng)
+            if await self.generate(rng, key) == 429:
                 await asyncio.sleep(rng.uniform(0.05, 0.3))
 
     async def generate(self, rng: random.Random, key: Key) -> int:
-        body, path = self.body(key), key[0]
+        """One request of `key`, streamed, plain or abandoned; returns its HTTP status."""
+        body, path, timeout = self.body(key), key[0], self.config.request_timeout
         mode = rng.choices(("stream", "plain", "abandon"), (70, 15, 15))[0]
         self.report.sent += 1
         abandoned = False
         try:
             if mode == "plain":
-                result = await asyncio.wait_for(self.post(path, body), self.config.request_timeout)
+                result = await asyncio.wait_for(self.post(path, body), timeout)
             elif mode == "stream" and path == COMPLETIONS:
                 result = await asyncio.wait_for(stream_completion(
-                    self.client, self.url, body, self.headers), self.config.request_timeout)
+                    self.client, self.url, body, self.headers), timeout)
             else:
                 after = rng.randint(1, 4) if mode == "abandon" else None
                 result, abandoned = await asyncio.wait_for(self.stream(path, body, after),
-                                                           self.config.request_timeout)
+                                                           timeout)
         except TimeoutError:
-            result = StreamResult(0, error=f"no answer within {self.config.request_timeout:g} s")
-        except (ValueError, KeyError, TypeError, IndexError, AttributeError) as e:  # malformed
+            result = StreamResult(0, error=f"no answer within {timeout:g} s")
+        except (ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
             result = StreamResult(-1, error=f"malformed response: {type(e).__name__}: {e}")
         self.record(key, mode, result, abandoned)
         return result.status
@@ -246,8 +257,8 @@ class Soak:
 
     async def stream(self, path: str, body: dict[str, Any], abandon_after: int | None
                      ) -> tuple[StreamResult, bool]:
-        """Like `stream_completion`, for either endpoint, optionally closing the connection
-        after `abandon_after` chunks; returns (result, whether it was abandoned)."""
+        """`stream_completion` for either endpoint, closing the connection after
+        `abandon_after` chunks if given; returns (result, whether it was abandoned)."""
         start, chunks = time.perf_counter(), 0
         body = {**body, "stream": True, "stream_options": {"include_usage": True}}
         try:
@@ -267,12 +278,13 @@ class Soak:
                     if "error" in chunk:
                         result.error = str(chunk["error"])[:300]
                         break
-                    for choice in chunk.get("choices", []):
-                        piece = choice.get("text") if path == COMPLETIONS else choice["delta"].get("content")
+                    for choice in chunk["choices"]:
+                        piece = (choice["text"] if path == COMPLETIONS
+                                 else choice["delta"].get("content"))
                         if piece and result.ttft is None:
                             result.ttft = time.perf_counter() - start
                         result.text += piece or ""
-                        result.finish_reason = choice.get("finish_reason") or result.finish_reason
+                        result.finish_reason = choice["finish_reason"] or result.finish_reason
                     if chunk.get("usage"):
                         result.completion_tokens = chunk["usage"]["completion_tokens"]
                         result.prompt_tokens = chunk["usage"]["prompt_tokens"]
@@ -285,7 +297,7 @@ class Soak:
         return result, False
 
     def record(self, key: Key, mode: str, result: StreamResult, abandoned: bool) -> None:
-        r, where = self.report, f"{mode} {key}"
+        r, where, max_tokens = self.report, f"{mode} {key}", key[2]
         if result.status == 429:
             r.rejected_429 += 1
         elif result.status == 0 or (result.status == 200 and result.error is None
@@ -297,11 +309,11 @@ class Soak:
             r.note(f"failed: {where}: status {result.status}: {result.error}")
         elif abandoned:
             r.disconnected += 1
-        elif result.finish_reason is None or result.completion_tokens > key[2] or (
-                result.finish_reason == "length" and result.completion_tokens != key[2]):
+        elif result.finish_reason is None or result.completion_tokens > max_tokens or (
+                result.finish_reason == "length" and result.completion_tokens != max_tokens):
             r.failed_unexpectedly += 1
             r.note(f"failed: {where}: finish_reason {result.finish_reason!r} with "
-                   f"{result.completion_tokens} tokens")
+                   f"{result.completion_tokens} tokens in usage")
         else:
             r.completed += 1
             r.completion_tokens += result.completion_tokens
@@ -312,66 +324,68 @@ class Soak:
             if key not in self.first_text:
                 self.first_text[key] = result.text
                 self.keys.append(key)
-            else:
-                r.checked += 1
-                if result.text != self.first_text[key]:
-                    r.mismatched += 1
-                    r.note(f"mismatch: {where}: {self.first_text[key][:80]!r} then "
-                           f"{result.text[:80]!r}")
+                return
+            r.checked += 1
+            if result.text != self.first_text[key]:
+                r.mismatched += 1
+                r.note(f"mismatch: {where}: {self.first_text[key][:80]!r} then "
+                       f"{result.text[:80]!r}")
 
     async def inject(self, rng: random.Random) -> None:
+        """One bad request; it must get a 4xx (not 429) with an OpenAI-style error body."""
         kind = rng.choice(INJECTED)
         key = self.new_key(rng)
-        path, index = key[:2]
+        path = key[0]
         body = {**self.body(key), "stream": rng.random() < 0.5}
-        prompt_field = "prompt" if path == COMPLETIONS else "messages"
         if kind == "top_k_overflow":
             body["top_k"] = 2**31
         elif kind == "unknown_model":
             body["model"] = "no-such-model"
         elif kind == "too_many_stops":
             body["stop"] = [f"stop{i}" for i in range(16)]
-        elif kind == "over_context":
-            used = self.prompt_tokens.get((path, index))
-            if used is not None and self.max_len - used + 1 <= self.config.max_tokens_cap:
-                body["max_tokens"] = self.max_len - used + 1   # one token past the context
-            else:  # the cap forbids that max_tokens anyway: a prompt longer than the context
-                long = "x = 1\n" * self.max_len
-                body[prompt_field] = long if path == COMPLETIONS else [{"role": "user", "content": long}]
         elif kind == "lone_surrogate":
-            text = "ab\ud800cd"
-            body[prompt_field] = text if path == COMPLETIONS else [{"role": "user", "content": text}]
-        # json.dumps escapes the surrogate as \ud800: valid JSON text that decodes to no UTF-8.
+            # json.dumps writes it as the escape \ud800: valid JSON with no UTF-8 encoding.
+            body = with_prompt(path, body, "ab\ud800cd")
+        elif kind == "over_context":
+            known = [(p, i) for p, i in self.prompt_tokens if p == path]
+            if known:  # one token more than the context holds
+                index = rng.choice(known)[1]
+                body = with_prompt(path, body, self.prompts[index])
+                body["max_tokens"] = self.max_len - self.prompt_tokens[path, index] + 1
+            else:
+                body = with_prompt(path, body, "x = 1\n" * self.max_len)
         content = json.dumps(body).encode()
         if kind == "invalid_json":
             content = content[:-1]
-        self.report.sent += 1
-        self.report.injected += 1
-        self.report.injected_by_kind[kind] += 1
+        r = self.report
+        r.sent += 1
+        r.injected += 1
+        r.injected_by_kind[kind] += 1
         headers = {**self.headers, "Content-Type": "application/json"}
         try:
             response = await asyncio.wait_for(self.client.post(
                 self.url + path, content=content, headers=headers), self.config.request_timeout)
-            status, text = response.status_code, response.text
-            payload = json.loads(text) if text.startswith("{") else None
+            payload = response.json() if response.text.startswith("{") else None
             error = payload.get("error") if isinstance(payload, dict) else None
-            # 429 would mean the request was queued before it was checked.
-            if 400 <= status < 500 and status != 429 and isinstance(error, dict) \
-                    and isinstance(error.get("message"), str):
+            if (400 <= response.status_code < 500 and response.status_code != 429
+                    and isinstance(error, dict) and isinstance(error.get("message"), str)):
                 return
-            problem = f"status {status}: {text[:200]}"
+            problem = f"status {response.status_code}: {response.text[:200]}"
         except (httpx.HTTPError, TimeoutError, ValueError) as e:
             problem = f"{type(e).__name__}: {e}"
-        self.report.injected_answered_wrong += 1
-        self.report.wrong_by_kind[kind] += 1
-        self.report.note(f"injected {kind} on {path} answered wrong: {problem}")
+        r.injected_answered_wrong += 1
+        r.wrong_by_kind[kind] += 1
+        r.note(f"injected {kind} on {path} answered wrong: {problem}")
 
     async def settle(self) -> None:
         """Wait for the server to go idle, then read the KV pool and engine counters."""
-        r, deadline = self.report, time.monotonic() + self.config.idle_timeout
+        r, deadline, m = self.report, time.monotonic() + self.config.idle_timeout, {}
         while True:
-            response = await self.client.get(self.url + "/metrics", headers=self.headers)
-            m = parse_metrics(response.text)
+            try:
+                response = await self.client.get(self.url + "/metrics", headers=self.headers)
+                m = parse_metrics(response.text)
+            except (httpx.HTTPError, ValueError) as e:
+                r.note(f"/metrics: {type(e).__name__}: {e}")
             r.kv_blocks_free = m.get("specjax_kv_blocks_free")
             r.kv_blocks_total = m.get("specjax_kv_blocks_total")
             r.server_idle = (m.get("specjax_requests_running") == 0
@@ -379,10 +393,11 @@ class Soak:
             if (r.server_idle and r.leaked == 0) or time.monotonic() > deadline:
                 break
             await asyncio.sleep(0.2)
+        names = {k: k.split("{")[0] for k in m}
         preempt = [v for k, v in m.items()
-                   if "preempt" in k.split("{")[0] and not k.split("{")[0].endswith("_created")]
+                   if "preempt" in names[k] and not names[k].endswith("_created")]
         r.preemptions = sum(preempt) if preempt else None
-        r.engine_errors = m.get('specjax_requests_total{outcome="error"}', 0.0)
+        r.engine_errors = m.get('specjax_requests_total{outcome="error"}', 0.0 if m else None)
 
 
 async def run_soak(config: SoakConfig) -> SoakReport:
@@ -397,7 +412,7 @@ async def run_soak(config: SoakConfig) -> SoakReport:
         served = listed.json()["data"][0]
         soak = Soak(config, client, served["id"], int(served["max_model_len"]))
         start = time.monotonic()
-        # In-flight requests run to their end after the deadline: none is cut short here.
+        # Requests in flight at the deadline run to their end: none is cut short here.
         await asyncio.gather(*(soak.client_loop(i, start + config.duration)
                                for i in range(config.clients)))
         soak.report.elapsed_s = time.monotonic() - start
@@ -438,7 +453,7 @@ class SpawnedServer:
         raise RuntimeError(f"the server was not healthy after {timeout:g} s:\n{self.tail()}")
 
     def stop(self, timeout: float) -> tuple[int | None, float]:
-        """SIGTERM; (exit code or None if it had to be killed, seconds it took)."""
+        """SIGTERM; returns (exit code, or None if it had to be killed; seconds taken)."""
         start = time.monotonic()
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
@@ -452,33 +467,33 @@ class SpawnedServer:
 
 
 def format_table(report: SoakReport, spawned: bool) -> str:
-    f = report.figures()
+    f, r = report.figures(), report
     ms = lambda v: "n/a" if v is None else f"{1000 * v:.0f} ms"
     num = lambda v: "n/a" if v is None else f"{v:g}"
-    wrong_kinds = ", ".join(f"{k} {n}" for k, n in report.wrong_by_kind.items())
-    rows = [("requests sent", f["sent"], False), ("completed", f["completed"], False),
-            ("disconnected (deliberately)", f["disconnected"], False),
-            ("429 (queue full)", f["rejected_429"], False), ("lost", f["lost"], f["lost"] > 0),
-            ("failed unexpectedly", f["failed_unexpectedly"], f["failed_unexpectedly"] > 0),
-            ("injected bad requests", f["injected"], False),
-            ("injected answered wrong", f"{f['injected_answered_wrong']}"
-             + (f" ({wrong_kinds})" if wrong_kinds else ""), f["injected_answered_wrong"] > 0),
-            ("determinism checks", f["checked"], False),
-            ("mismatched", f["mismatched"], f["mismatched"] > 0),
+    wrong = ", ".join(f"{k} {n}" for k, n in r.wrong_by_kind.items())
+    rows = [("requests sent", r.sent, False), ("completed", r.completed, False),
+            ("disconnected (deliberately)", r.disconnected, False),
+            ("429 (queue full)", r.rejected_429, False), ("lost", r.lost, r.lost > 0),
+            ("failed unexpectedly", r.failed_unexpectedly, r.failed_unexpectedly > 0),
+            ("injected bad requests", r.injected, False),
+            ("injected answered wrong", f"{r.injected_answered_wrong}"
+             + (f" ({wrong})" if wrong else ""), r.injected_answered_wrong > 0),
+            ("determinism checks", r.checked, False),
+            ("mismatched", r.mismatched, r.mismatched > 0),
             ("TTFT p50 / p99", f"{ms(f['ttft_p50_s'])} / {ms(f['ttft_p99_s'])}", False),
-            ("tokens/s", (f"{f['tokens_per_s']:.1f} ({f['completion_tokens']} in "
-                          f"{f['elapsed_s']:.0f} s)"), False),
-            ("server idle afterwards", f["server_idle"], f["server_idle"] is False),
-            ("KV blocks free / total", f"{num(f['kv_blocks_free'])} / {num(f['kv_blocks_total'])}",
+            ("tokens/s", (f"{f['tokens_per_s']:.1f} ({r.completion_tokens} tokens in "
+                          f"{r.elapsed_s:.0f} s)"), False),
+            ("server idle afterwards", r.server_idle, not r.server_idle),
+            ("KV blocks free / total", f"{num(r.kv_blocks_free)} / {num(r.kv_blocks_total)}",
              False),
-            ("KV blocks leaked", num(f["kv_blocks_leaked"]), f["kv_blocks_leaked"] != 0),
-            ("preemptions", "n/a (no counter in /metrics)" if f["preemptions"] is None
-             else num(f["preemptions"]), False),
-            ("engine errors (/metrics)", num(f["engine_errors"]), False)]
+            ("KV blocks leaked", num(r.leaked), r.leaked != 0),
+            ("preemptions", "n/a (no counter in /metrics)" if r.preemptions is None
+             else num(r.preemptions), False),
+            ("engine errors (/metrics)", num(r.engine_errors), bool(r.engine_errors))]
     if spawned:
-        rows.append(("server exit on SIGTERM", (f"code {f['server_exit_code']} after "
-                                                f"{f['server_shutdown_s']:.1f} s"),
-                     f["server_exit_code"] != 0))
+        shutdown = "killed" if r.server_exit_code is None else f"code {r.server_exit_code}"
+        rows.append(("server exit on SIGTERM", f"{shutdown} after {r.server_shutdown_s:.1f} s",
+                     not r.server_exited_cleanly))
     width = max(len(name) for name, _, _ in rows)
     return "\n".join(f"{name:<{width}}  {value}{'   <-- FAIL' if bad else ''}"
                      for name, value, bad in rows)
@@ -492,8 +507,8 @@ def main(argv: list[str] | None = None) -> int:
     target.add_argument("--spawn", action="store_true", help="start `python -m specjax.serve`")
     parser.add_argument("--api-key", default=os.environ.get("SPECJAX_API_KEY"))
     parser.add_argument("--server-args", default="--kv-blocks 66",
-                        help="extra arguments of the spawned server (default: a KV pool that "
-                             "holds about one full-length request of the bundled model)")
+                        help="more arguments of the spawned server (default: a KV pool that "
+                             "holds one full-length request of the bundled model)")
     parser.add_argument("--duration", type=float, default=600.0)
     parser.add_argument("--clients", type=int, default=32)
     parser.add_argument("--max-tokens-cap", type=int, default=300)
@@ -520,14 +535,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"soaking {config.url} for {config.duration:g} s with {config.clients} clients",
               file=sys.stderr)
         report = asyncio.run(run_soak(config))
-    except (RuntimeError, httpx.HTTPError) as e:
-        print(f"error: {e}", file=sys.stderr)
+    except (RuntimeError, httpx.HTTPError, KeyError, ValueError) as e:
+        print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
     finally:
-        if server:
-            code, took = server.stop(args.shutdown_timeout)
-    if server:
-        report.server_exit_code, report.server_shutdown_s = code, took
+        stopped = server.stop(args.shutdown_timeout) if server else None
+    if stopped:
+        report.server_exit_code, report.server_shutdown_s = stopped
     print(format_table(report, server is not None))
     for problem in report.problems:
         print(f"  {problem}", file=sys.stderr)
