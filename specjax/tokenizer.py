@@ -39,7 +39,11 @@ class Tokenizer:
         return self.backend.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, add_bos: bool = False) -> list[int]:
-        ids = self.backend.encode(text, add_special_tokens=False).ids
+        # The batch entry points release the GIL while they work (plain `encode` holds it: a
+        # 1 MiB prompt would stall every other thread, a server's event loop among them);
+        # `encode_batch_fast` also skips the offsets nobody reads here.
+        batch = getattr(self.backend, "encode_batch_fast", self.backend.encode_batch)
+        ids = batch([text], add_special_tokens=False)[0].ids
         return ([self.bos_token_id] if add_bos and self.bos_token_id is not None else []) + ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:

@@ -88,8 +88,9 @@ class EngineThread:
         self._inbox: list[Submission] = []
         self._cancels: list[Submission] = []
         self._open: set[Submission] = set()    # submitted and not done
-        # Requests waiting in the engine, exact under the lock: raised as the inbox is taken,
-        # reset from the engine's own count after every iteration.
+        # Requests waiting in the engine: raised under the lock as the inbox is taken, reset
+        # from the engine's own count after every iteration. It never under-counts (the queue
+        # limit is exact); those a step in progress admits count until the step returns.
         self._engine_waiting = 0
         self._live: dict[int, Submission] = {}  # engine thread only
         self._stopping = False

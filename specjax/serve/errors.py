@@ -90,6 +90,9 @@ def validation_message(errors: list[dict[str, Any]],
     param_of = lambda e: _param_from_loc(tuple(e.get("loc", ())), fields,
                                          e.get("type") == "extra_forbidden")
     param = param_of(first)
+    if kind == "string_unicode":   # a lone surrogate where pydantic needs a str (a key)
+        return (f"{param or 'the request body'} is not valid Unicode text: it holds a lone "
+                "surrogate", param)
     if param is None:
         return "the request body must be a JSON object", None
     if kind == "missing":
@@ -134,4 +137,7 @@ def install_error_handlers(app, on_error: Callable[[int], None] | None = None,
     @app.exception_handler(Exception)
     async def _crash(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error serving %s", request.url.path)
-        return respond(500, INTERNAL_ERROR, None, "internal_error")
+        # Starlette re-raises after this answer and uvicorn then closes the connection: say
+        # so, or a keep-alive client sends its next request into a closed socket.
+        return respond(500, INTERNAL_ERROR, None, "internal_error",
+                       headers={"Connection": "close"})

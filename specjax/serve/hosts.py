@@ -14,7 +14,7 @@ import ipaddress
 from typing import Callable, Iterable
 
 from starlette.middleware.trustedhost import TrustedHostMiddleware
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from specjax.serve.errors import error_response
 
@@ -88,7 +88,7 @@ class HostGuard:
         if self.allow_any or scope["type"] != "http":
             return await self.app(scope, receive, send)
 
-        async def drop_refusal(message: dict) -> None:
+        async def drop_refusal(message: Message) -> None:
             if scope.get(_PASSED):   # Starlette's own plain-text refusal is replaced below
                 await send(message)
 

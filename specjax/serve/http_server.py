@@ -125,6 +125,8 @@ def build_server(app: FastAPI, host: str = "127.0.0.1", port: int = 8000,
     protocol = type("TimedH11Protocol", (TimedH11Protocol,),
                     {"request_timeout": settings.request_timeout})
     grace = math.ceil(settings.shutdown_timeout + SHUTDOWN_BACKSTOP_S)
+    # No WebSocket routes: an Upgrade request is served as plain HTTP (and its head timed).
     uvicorn_config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                                    http=protocol, timeout_graceful_shutdown=grace, **config)
+                                    http=protocol, ws="none", timeout_graceful_shutdown=grace,
+                                    **config)
     return GracefulServer(uvicorn_config, on_shutdown=server.begin_shutdown)

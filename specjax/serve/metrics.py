@@ -1,7 +1,8 @@
 """Prometheus metrics (text format at GET /metrics), in a registry of the app's own.
 
-Counters are updated as requests finish; gauges read the snapshot the engine thread publishes
-after every iteration, so a scrape never touches the engine.
+Counters are updated as requests finish (a request the engine failed, or that shutdown ended,
+counts as outcome "error"); gauges read the snapshot the engine thread publishes after every
+iteration, so a scrape never touches the engine.
 """
 from __future__ import annotations
 
@@ -53,6 +54,10 @@ class ServerMetrics:
             ("specjax_kv_blocks_total", "KV-cache blocks in the pool",
              lambda: snap().kv_blocks_total),
             ("specjax_engine_steps", "Engine iterations so far", lambda: snap().num_steps),
+            ("specjax_preemptions", "Requests sent back to the queue to free KV blocks, so "
+             "far", lambda: snap().num_preemptions),
+            ("specjax_engine_failed_requests", "Requests the engine finished with an error "
+             "(their own fault, or the device's), so far", lambda: snap().num_failed_requests),
             ("specjax_spec_acceptance_length", "Tokens per decoding iteration of requests "
              "with drafts (NaN before any draft)", lambda: _nan_if_none(snap().acceptance_length)),
             ("specjax_spec_acceptance_rate", "Accepted / verified draft tokens (NaN before "

@@ -1,10 +1,11 @@
 """A request body -> the prompt ids and `SamplingParams` the engine gets, every check included.
 
 `RequestPreparer` is plain synchronous code: the app runs it in a worker thread, because
-rendering a chat template and tokenising a prompt of up to the body limit (1 MiB) takes long
-enough to stall every other connection if it ran on the event loop. It reads only immutable
-engine facts, never the engine. Failures raise `InvalidArgument` or `APIError`, which become
-400s naming the parameter.
+rendering a chat template and tokenising a prompt of up to the body limit (1 MiB, about a
+second of tokenising) would stall every other connection if it ran on the event loop. The
+tokenizer is called through `encode_batch_fast`, which releases the GIL; `encode` holds it
+and would stall the loop even from a worker thread. It reads only immutable engine facts,
+never the engine. Failures raise `InvalidArgument` or `APIError`: 400s naming the parameter.
 
 Lengths follow one rule: a client that names an output length (`max_tokens`,
 `max_completion_tokens`) gets it or a 400 saying how much room the prompt left; without one,
@@ -39,6 +40,12 @@ def check_text(param: str, text: str) -> None:
         raise InvalidArgument(param, f"{param} is not valid Unicode text: it holds the lone "
                                      f"surrogate U+{ord(text[e.start]):04X} at index "
                                      f"{e.start}") from None
+
+
+def encode_text(tokenizer: Tokenizer, text: str, add_bos: bool) -> list[int]:
+    """The one call that tokenises request text (`Tokenizer.encode` lets other threads run
+    meanwhile); a seam for tests."""
+    return tokenizer.encode(text, add_bos=add_bos)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,7 +87,7 @@ class RequestPreparer:
             prompt = prompt[0]
         if isinstance(prompt, str):
             check_text("prompt", prompt)
-            return self.tokenizer.encode(prompt, add_bos=True)
+            return encode_text(self.tokenizer, prompt, add_bos=True)
         return list(prompt)
 
     def chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
@@ -95,7 +102,7 @@ class RequestPreparer:
         text = self.chat_template.render([{"role": m.role, "content": m.text()}
                                           for m in body.messages])
         check_text("messages", text)  # a checkpoint's template could still produce one
-        return self.tokenizer.encode(text, add_bos=self.chat_template.add_bos)
+        return encode_text(self.tokenizer, text, add_bos=self.chat_template.add_bos)
 
     def finish(self, body: GenerationRequest, prompt_ids: list[int], params: SamplingParams,
                param: str) -> Prepared:

@@ -182,6 +182,7 @@ class Soak:
         self.prompt_tokens: dict[tuple[str, int], int] = {}   # learned from `usage`
         self.first_text: dict[Key, str] = {}
         self.keys: list[Key] = []
+        self.baseline: dict[str, float] = {}   # /metrics before the soak: figures are rises
 
     def room(self, path: str, index: int) -> int:
         """The largest max_tokens this prompt surely has room for."""
@@ -377,8 +378,13 @@ class Soak:
         r.wrong_by_kind[kind] += 1
         r.note(f"injected {kind} on {path} answered wrong: {problem}")
 
+    async def read_baseline(self) -> None:
+        response = await self.client.get(self.url + "/metrics", headers=self.headers)
+        self.baseline = parse_metrics(response.text)
+
     async def settle(self) -> None:
-        """Wait for the server to go idle, then read the KV pool and engine counters."""
+        """Wait for the server to go idle, then read the KV pool and the engine counters' rise
+        during the soak (a server may have served other requests before)."""
         r, deadline, m = self.report, time.monotonic() + self.config.idle_timeout, {}
         while True:
             try:
@@ -394,10 +400,11 @@ class Soak:
                 break
             await asyncio.sleep(0.2)
         names = {k: k.split("{")[0] for k in m}
-        preempt = [v for k, v in m.items()
+        preempt = [v - self.baseline.get(k, 0.0) for k, v in m.items()
                    if "preempt" in names[k] and not names[k].endswith("_created")]
         r.preemptions = sum(preempt) if preempt else None
-        r.engine_errors = m.get('specjax_requests_total{outcome="error"}', 0.0 if m else None)
+        errors = 'specjax_requests_total{outcome="error"}'
+        r.engine_errors = (m.get(errors, 0.0) - self.baseline.get(errors, 0.0)) if m else None
 
 
 async def run_soak(config: SoakConfig) -> SoakReport:
@@ -411,6 +418,7 @@ async def run_soak(config: SoakConfig) -> SoakReport:
         listed.raise_for_status()
         served = listed.json()["data"][0]
         soak = Soak(config, client, served["id"], int(served["max_model_len"]))
+        await soak.read_baseline()
         start = time.monotonic()
         # Requests in flight at the deadline run to their end: none is cut short here.
         await asyncio.gather(*(soak.client_loop(i, start + config.duration)

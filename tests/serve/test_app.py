@@ -2,7 +2,10 @@
 for what must be refused (before any stream opens), auth, limits, metrics and failures."""
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
+import threading
 
 import httpx
 import pytest
@@ -342,3 +345,156 @@ def test_metrics_report_tokens_and_speculation(server, client):
     assert 0.0 <= m["specjax_spec_acceptance_rate"] <= 1.0
     assert m["specjax_spec_draft_overhead"] >= 0.0
     assert m["specjax_time_to_first_token_seconds_count"] >= 1
+    assert m["specjax_preemptions"] >= 0 and m["specjax_engine_failed_requests"] >= 0
+
+
+# -- fault isolation ----------------------------------------------------------------------------
+
+BAD_PROMPT = [11, 12, 13, 14]
+
+
+def test_engine_error_fails_that_request_alone(server, client, monkeypatch):
+    """The engine ends one request with finish_reason "error": it gets an error, not a
+    finish_reason; the request running beside it is untouched."""
+    engine = server.llm.engine
+    real_step = engine.step
+
+    def step():
+        outs = []
+        for out in real_step():
+            if out.prompt_token_ids == BAD_PROMPT and not out.finished:
+                engine.abort(out.request_id)   # as the engine does: it frees what it held
+                out = dataclasses.replace(out, finish_reason="error",
+                                          error="injected: device secret")
+            outs.append(out)
+        return outs
+
+    monkeypatch.setattr(engine, "step", step)
+    before = server.metrics().get('specjax_requests_total{outcome="error"}', 0)
+    good: dict = {}
+    beside = threading.Thread(target=lambda: good.update(out=client.completions.create(
+        model=MODEL_NAME, prompt=REFERENCE_PROMPTS[0], temperature=0,
+        max_tokens=REFERENCE_MAX_TOKENS)))
+    beside.start()
+    body = {"model": MODEL_NAME, "prompt": BAD_PROMPT, "max_tokens": 20}
+    whole = httpx.post(f"{server.url}/v1/completions", headers=server.headers, json=body)
+    assert whole.status_code == 500, whole.text
+    assert whole.json()["error"]["type"] == "server_error"
+    assert "secret" not in whole.text
+    with httpx.stream("POST", f"{server.url}/v1/completions", headers=server.headers,
+                      json={**body, "stream": True}) as stream:
+        assert stream.status_code == 200
+        events = [line[len("data: "):] for line in stream.iter_lines()
+                  if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    assert json.loads(events[-2])["error"]["code"] == "internal_error"
+    reasons = [c["finish_reason"] for e in events[:-2] for c in json.loads(e)["choices"]]
+    assert set(reasons) <= {None} and "secret" not in "".join(events)
+    beside.join(60)
+    assert good["out"].choices[0].text == server.reference[REFERENCE_PROMPTS[0]].text
+    monkeypatch.undo()
+    after = server.wait_idle()
+    assert after['specjax_requests_total{outcome="error"}'] == before + 2
+
+
+SURROGATES = [
+    ("/v1/completions", '"prompt": "ab\\ud800cd"', "prompt"),
+    ("/v1/completions", '"prompt": ["ab\\udfffcd"]', "prompt"),
+    ("/v1/completions", '"prompt": "a", "stop": ["x", "y\\ud800"]', "stop"),
+    ("/v1/chat/completions", '"messages": [{"role": "user", "content": "hi \\ud800"}]',
+     "messages[0].content"),
+    ("/v1/chat/completions", '"messages": [{"role": "user", "content": "ok"}, {"role": '
+     '"user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": '
+     '"\\udc00"}]}]', "messages[1].content[1].text"),
+]
+
+
+@pytest.mark.parametrize("path, fields, param", SURROGATES, ids=[p for *_, p in SURROGATES])
+def test_lone_surrogates_are_400(server, path, fields, param, caplog):
+    body = f'{{"model": "{MODEL_NAME}", "max_tokens": 2, {fields}}}'.encode()
+    with caplog.at_level(logging.ERROR):
+        response = httpx.post(f"{server.url}{path}", content=body,
+                              headers={**server.headers, "Content-Type": "application/json"})
+    error = _assert_refused(response, param)
+    assert "surrogate" in error["message"]
+    assert not caplog.records        # refused, not crashed
+
+
+@pytest.mark.parametrize("fields, expected", [
+    ('"model": "\\ud800"', "\\ud800"),             # echoed, escaped
+    (f'"model": "{MODEL_NAME}", "x\\ud800": 1', "surrogate"),   # a key pydantic refuses
+])
+def test_surrogates_in_echoed_input_are_escaped(server, fields, expected):
+    response = httpx.post(f"{server.url}/v1/completions", content=(
+        f'{{"prompt": "a", {fields}}}').encode(), headers={**server.headers,
+                                                      "Content-Type": "application/json"})
+    assert response.status_code == 400 and expected in response.json()["error"]["message"]
+
+
+def test_output_must_fit_in_the_context(server):
+    max_len = server.server.max_len
+    prompt = list(range(1, 101))
+    for path, body, param in [
+            ("/v1/completions", {"prompt": prompt, "max_tokens": 50}, "max_tokens"),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x " * 60}],
+                                      "max_completion_tokens": 90}, "max_completion_tokens")]:
+        response = httpx.post(f"{server.url}{path}", headers=server.headers,
+                              json={"model": MODEL_NAME, **body})
+        message = _assert_refused(response, param)["message"]
+        requested = body.get("max_tokens") or body["max_completion_tokens"]
+        assert str(requested) in message and str(max_len) in message
+    assert "100 tokens" in httpx.post(f"{server.url}/v1/completions", headers=server.headers,
+                                      json={"model": MODEL_NAME, "prompt": prompt,
+                                            "max_tokens": 50}).json()["error"]["message"]
+
+
+def test_default_output_length_is_cut_to_the_room_left(server, client):
+    max_len = server.server.max_len
+    out = client.completions.create(model=MODEL_NAME, prompt=list(range(1, max_len - 5)))
+    assert out.usage.completion_tokens == 6 and out.choices[0].finish_reason == "length"
+    words = 1
+    while len(server.tokenizer.encode(f"user: {'x ' * (words + 1)}\nassistant: ",
+                                      add_bos=True)) < max_len - 3:
+        words += 1
+    chat = client.chat.completions.create(model=MODEL_NAME, temperature=0,
+                                          messages=[{"role": "user", "content": "x " * words}])
+    assert chat.usage.total_tokens == max_len and chat.choices[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize("body", [
+    {"model": "m" * 60_000, "prompt": "a"},
+    {"model": MODEL_NAME, "prompt": "a", "f" * 60_000: 1},
+    {"model": MODEL_NAME, "prompt": [{"text": "x" * 60_000}]},
+    {"model": MODEL_NAME, "prompt": "a", "logit_bias": {str(i): 1 for i in range(5000)}},
+], ids=["model", "unknown-field", "bad-type", "unsupported"])
+def test_errors_never_echo_unbounded_input(server, body):
+    response = httpx.post(f"{server.url}/v1/completions", headers=server.headers, json=body)
+    assert response.status_code == 400 and len(response.content) < 600, response.text[:300]
+
+
+def test_errors_never_become_finish_reasons():
+    from specjax.engine.request import RequestOutput, RequestStats
+    from specjax.serve.protocol import finish_reason
+    out = lambda reason: RequestOutput(0, [1], [2], "", reason, RequestStats())
+    assert [finish_reason(out(r)) for r in ("stop", "length", "abort", "error", None)] == \
+        ["stop", "length", None, None, None]
+
+
+def test_head_health(server):
+    assert httpx.head(f"{server.url}/health").status_code == 200
+
+
+def test_a_crash_closes_its_connection_so_the_next_request_is_not_lost(server, monkeypatch):
+    """An unhandled error is a 500 that says `Connection: close` (uvicorn closes it after
+    Starlette re-raises); a keep-alive client then opens a new connection for its next
+    request instead of sending it into a closed socket."""
+    def broken():
+        raise RuntimeError("injected crash")
+
+    monkeypatch.setattr(server.server, "models", broken)
+    with httpx.Client(base_url=server.url, headers=server.headers,
+                      limits=httpx.Limits(max_connections=1)) as http:
+        for _ in range(20):
+            crashed = http.get("/v1/models")
+            assert crashed.status_code == 500 and crashed.headers["connection"] == "close"
+            assert http.get("/health").status_code == 200

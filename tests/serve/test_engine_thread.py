@@ -1,89 +1,18 @@
-"""The engine thread over a scripted fake engine: hand-offs, queue limit, cancellation, and a
-failing step that fails only the requests it was running."""
+"""The engine thread over a scripted fake engine: hand-offs, the exact queue limit,
+cancellation, an errored output that fails its request alone, a failing step that fails only
+the requests it was running, `fail_all`, and a bounded stop."""
 from __future__ import annotations
 
-import collections
+import logging
 import queue
-import threading
+import time
 
 import pytest
+from fakes import FakeEngine
 
-from specjax.engine.engine import EngineSnapshot
-from specjax.engine.request import RequestOutput, RequestStats
 from specjax.sampling_params import SamplingParams
-from specjax.serve.engine_thread import (EngineFailure, EngineStopped, EngineThread, QueueFull,
-                                         Submission)
-
-
-class FakeAllocator:
-    total_blocks = 10
-
-    def __init__(self):
-        self.num_free_blocks = self.total_blocks
-
-
-class FakeEngine:
-    """`slots` requests run at once, each holding one block and gaining one token a step."""
-
-    def __init__(self, slots: int = 1):
-        self.slots = slots
-        self.waiting: collections.deque = collections.deque()
-        self.running: list = []
-        self.allocator = FakeAllocator()
-        self.num_steps = 0
-        self.gate = threading.Event()       # a step waits for it (tests hold steps back)
-        self.gate.set()
-        self.in_step = threading.Event()    # set once a step has admitted its requests
-        self.fail_next = False
-        self.aborted: list[int] = []
-        self._next = 0
-
-    def add_request(self, prompt_ids, params):
-        rid, self._next = self._next, self._next + 1
-        self.waiting.append(type("R", (), dict(request_id=rid, prompt=list(prompt_ids),
-                                               params=params, out=[]))())
-        return rid
-
-    def has_unfinished(self):
-        return bool(self.waiting or self.running)
-
-    def abort(self, rid):
-        self.aborted.append(rid)
-        for r in list(self.waiting):
-            if r.request_id == rid:
-                self.waiting.remove(r)
-        for r in list(self.running):
-            if r.request_id == rid:
-                self.running.remove(r)
-                self.allocator.num_free_blocks += 1
-
-    def snapshot(self):
-        return EngineSnapshot(
-            running=len(self.running), waiting=len(self.waiting),
-            running_ids=tuple(r.request_id for r in self.running),
-            kv_blocks_free=self.allocator.num_free_blocks,
-            kv_blocks_total=self.allocator.total_blocks, num_steps=self.num_steps)
-
-    def step(self):
-        self.num_steps += 1
-        while self.waiting and len(self.running) < self.slots:
-            self.running.append(self.waiting.popleft())
-            self.allocator.num_free_blocks -= 1
-        self.in_step.set()
-        assert self.gate.wait(10), "a test held the step back too long"
-        if self.fail_next:
-            self.fail_next = False
-            raise RuntimeError("boom")
-        outs = []
-        for r in list(self.running):
-            r.out.append(len(r.out) + 1)
-            done = len(r.out) == r.params.max_tokens
-            if done:
-                self.running.remove(r)
-                self.allocator.num_free_blocks += 1
-            outs.append(RequestOutput(r.request_id, r.prompt, list(r.out), "",
-                                      "length" if done else None, RequestStats()))
-        return outs
+from specjax.serve.engine_thread import (REQUEST_FAILED, EngineFailure, EngineStopped,
+                                         EngineThread, QueueFull, Submission)
 
 
 def _submit(thread: EngineThread, max_tokens: int = 3, stream: bool = True):
@@ -129,9 +58,18 @@ def test_non_streaming_gets_only_the_final_output(fake):
 
 def test_queue_limit_counts_requests_not_yet_running(fake):
     engine, thread, _ = fake
-    engine.gate.clear()             # the first step blocks: later requests pile up
-    first = _submit(thread, max_tokens=2)
-    assert engine.in_step.wait(10)
+    events: queue.Queue = queue.Queue()
+
+    def hold_next_step(event):      # after the first output the next step blocks
+        if events.empty() and not event.finished and event.token_ids == [1]:
+            engine.in_step.clear()
+            engine.gate.clear()
+        events.put(event)
+
+    thread.submit(Submission([1, 2], SamplingParams(max_tokens=2), hold_next_step))
+    first = (None, events)
+    events.get(timeout=10)          # it is running ...
+    assert engine.in_step.wait(10)  # ... and the engine thread published that
     queued = [_submit(thread, max_tokens=2) for _ in range(2)]
     with pytest.raises(QueueFull, match="queue is full"):
         _submit(thread)
@@ -141,15 +79,56 @@ def test_queue_limit_counts_requests_not_yet_running(fake):
     assert thread.queue_depth == 0
 
 
-def test_failed_step_fails_running_requests_and_keeps_serving(fake):
+def test_queue_limit_is_exact_while_the_engine_thread_adds(fake):
+    engine, thread, _ = fake
+    thread.max_queue = 4
+    engine.add_gate.clear()         # the engine thread takes the inbox, then stops in add
+    _submit(thread)
+    assert engine.in_add.wait(10)
+    for _ in range(3):
+        _submit(thread)
+    with pytest.raises(QueueFull):  # 4 wait: the one being added counts
+        _submit(thread)
+    assert thread.queue_depth == 4
+    engine.add_gate.set()
+
+
+def test_error_output_fails_that_request_alone(caplog):
+    engine = FakeEngine(slots=2)
+    engine.error_ids.add(0)
+    finished = []
+    thread = EngineThread(engine, on_finished=lambda s, e: finished.append(e))
+    thread.start()
+    try:
+        for stream in (True, False):
+            engine.error_ids.add(engine._next)
+            bad, bad_events = _submit(thread, max_tokens=5, stream=stream)
+            good, good_events = _submit(thread, max_tokens=3, stream=stream)
+            with caplog.at_level(logging.ERROR, logger="specjax.serve"):
+                failure = _until_final(bad_events)[-1]
+            assert failure == EngineFailure(REQUEST_FAILED)    # no engine internals
+            assert failure.status == 500 and "secret" not in failure.message
+            assert bad_events.empty()                          # nothing after the final
+            assert _until_final(good_events)[-1].token_ids == [1, 2, 3]
+        assert "injected: device secret" in caplog.text     # the log has the engine's words
+        assert thread.errors == [] and engine.aborted == []  # the engine ended it itself
+        assert [type(e) for e in finished].count(EngineFailure) == 2 and len(finished) == 4
+        assert engine.allocator.num_free_blocks == engine.allocator.total_blocks
+    finally:
+        thread.stop(10)
+
+
+def test_failed_step_fails_running_requests_and_keeps_serving(fake, caplog):
     engine, thread, finished = fake
     engine.gate.clear()
     a = _submit(thread, max_tokens=2)
     assert engine.in_step.wait(10)
     b = _submit(thread, max_tokens=2)     # waits: one slot
     engine.fail_next = True
-    engine.gate.set()
-    assert isinstance(_until_final(a[1])[-1], EngineFailure)
+    with caplog.at_level(logging.ERROR, logger="specjax.serve"):
+        engine.gate.set()
+        assert isinstance(_until_final(a[1])[-1], EngineFailure)
+    assert "failing 1 running request(s)" in caplog.text   # a, not b (which waited)
     assert _until_final(b[1])[-1].token_ids == [1, 2]
     assert len(thread.errors) == 1 and "boom" in str(thread.errors[0])
     assert engine.aborted == [a[0].request_id]
@@ -198,3 +177,37 @@ def test_snapshot_is_published(fake):
     assert (snap.running, snap.waiting) == (0, 0)
     assert snap.kv_blocks_free == snap.kv_blocks_total == 10
     assert snap.num_steps == engine.num_steps
+
+
+def test_fail_all_ends_every_open_request_once(fake):
+    engine, thread, finished = fake
+    engine.gate.clear()
+    running, running_events = _submit(thread, max_tokens=100)
+    assert engine.in_step.wait(10)
+    waiting, waiting_events = _submit(thread, max_tokens=100, stream=False)
+    failure = EngineFailure("shutting down", 503, "shutting_down")
+    assert thread.fail_all(failure) == 2
+    assert _until_final(running_events)[-1] == failure
+    assert _until_final(waiting_events) == [failure]
+    thread.cancel(running)             # too late: already over
+    assert thread.fail_all(failure) == 0
+    engine.gate.set()
+    deadline = time.monotonic() + 10
+    while engine.has_unfinished():     # the engine thread aborts what fail_all ended
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert running_events.empty() and waiting_events.empty()   # nothing after the final
+    assert finished == [failure, failure]                      # reported once each
+    assert thread.alive and _until_final(_submit(thread, max_tokens=1)[1])[-1].finished
+
+
+def test_stop_is_bounded_when_a_step_hangs(fake):
+    engine, thread, _ = fake
+    engine.gate.clear()
+    _submit(thread)
+    assert engine.in_step.wait(10)
+    start = time.monotonic()
+    assert thread.stop(0.2) is False   # the step never returns: give up, do not hang
+    assert time.monotonic() - start < 2
+    with pytest.raises(EngineStopped, match="shutting down"):
+        _submit(thread)

@@ -56,10 +56,27 @@ def test_served_model_name(tmp_path):
     (["--port", "70000"], "--port"),
     (["--max-queue", "-1"], "--max-queue"),
     (["--max-tokens-cap", "0"], "max_tokens_cap"),
+    (["--api-key", ""], "--api-key is empty"),
+    (["--api-key", "  "], "--api-key is empty"),
+    (["--allowed-hosts", "example.com:8000"], "no port"),
+    (["--allowed-hosts", ","], "--allowed-hosts is empty"),
+    (["--max-concurrency", "0"], "max_concurrency"),
+    (["--request-timeout", "0"], "request_timeout"),
+    (["--shutdown-timeout", "-1"], "shutdown_timeout"),
 ])
-def test_bad_arguments_exit_2_before_loading(argv, message, capsys):
+def test_bad_arguments_exit_2_before_loading(argv, message, capsys, monkeypatch):
+    monkeypatch.delenv("SPECJAX_API_KEY", raising=False)
     assert cli.main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+def test_empty_api_key_in_the_environment_is_refused(capsys, monkeypatch):
+    monkeypatch.setenv("SPECJAX_API_KEY", "")
+    assert cli.main([]) == 2
+    assert "$SPECJAX_API_KEY is empty" in capsys.readouterr().err
+    assert cli.api_key_from(None, {"SPECJAX_API_KEY": "k"}) == "k"
+    assert cli.api_key_from("flag", {"SPECJAX_API_KEY": ""}) == "flag"   # the flag wins
+    assert cli.api_key_from(None, {}) is None
 
 
 def _free_port() -> int:
@@ -96,6 +113,9 @@ def test_serve_subprocess_with_checkpoint_chat_template(tmp_path, bundled_tokeni
         body = {"model": "tiny-ckpt", "messages": [{"role": "user", "content": "hi"}],
                 "max_tokens": 3, "temperature": 0}
         assert httpx.post(f"{url}/v1/chat/completions", json=body).status_code == 401
+        assert httpx.head(f"{url}/health").status_code == 200
+        assert httpx.get(f"{url}/health", headers={"Host": "evil.example.com"}).status_code \
+            == 400
         response = httpx.post(f"{url}/v1/chat/completions", json=body,
                               headers={"Authorization": f"Bearer {key}"}, timeout=30)
         assert response.status_code == 200, response.text
