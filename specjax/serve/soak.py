@@ -162,6 +162,7 @@ def with_prompt(path: str, body: dict[str, Any], text: str) -> dict[str, Any]:
 
 
 def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus text -> {name (with its labels, if any): value}."""
     samples = {}
     for line in text.splitlines():
         if line and not line.startswith("#"):

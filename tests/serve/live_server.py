@@ -13,6 +13,7 @@ import uvicorn
 import specjax
 from specjax.models import ModelConfig
 from specjax.serve.http_server import build_server
+from specjax.serve.soak import parse_metrics
 from specjax.tokenizer import Tokenizer
 
 API_KEY = "test-key-7f3a"
@@ -45,13 +46,8 @@ class LiveServer:
 
     def metrics(self) -> dict[str, float]:
         """The unlabelled (and labelled, key with labels) samples of /metrics."""
-        text = httpx.get(f"{self.url}/metrics", headers=self.headers, timeout=10).text
-        samples = {}
-        for line in text.splitlines():
-            if line and not line.startswith("#"):
-                name, _, value = line.rpartition(" ")
-                samples[name] = float(value)
-        return samples
+        return parse_metrics(httpx.get(f"{self.url}/metrics", headers=self.headers,
+                                       timeout=10).text)
 
     def wait_idle(self, timeout: float = 30.0) -> dict[str, float]:
         """Metrics once nothing runs or waits and every KV block is free again."""
