@@ -23,19 +23,18 @@ FLOAT32_TINY = 1.1754943508222875e-38   # the smallest normal float32: below it,
 class Bound:
     """What one value may hold: its meaning's range, inside the dtype of the device array it
     is written to (`dtype`), so that no accepted value can overflow, wrap or turn to NaN
-    there. `low_open` excludes `low` itself; `zero_ok` allows an exact 0 below `low` (the
-    "off" value of a parameter whose positive range starts higher)."""
+    there. `zero_ok` allows an exact 0 below `low` (the "off" value of a parameter whose
+    positive range starts higher)."""
 
     low: float
     high: float
     dtype: str
-    low_open: bool = False
     zero_ok: bool = False
     integer: bool = False
 
     def describe(self) -> str:
         lo, hi = _fmt(self.low), _fmt(self.high)
-        interval = f"{'(' if self.low_open else '['}{lo}, {hi}]"
+        interval = f"[{lo}, {hi}]"
         return f"0 or in {interval}" if self.zero_ok else f"in {interval}"
 
 
@@ -63,7 +62,6 @@ BOUNDS: dict[str, Bound] = {
     # uint32 PRNG seeds.
     "seed": Bound(0, UINT32_MAX, "uint32", integer=True),
 }
-MAX_SEED = UINT32_MAX + 1
 
 
 def shown(value: Any, limit: int = 60) -> str:
@@ -102,17 +100,16 @@ def check_number(name: str, value: Any) -> None:
         raise InvalidArgument(name, f"{name} must be a number, got {shown(value)}")
 
 
-def check_bound(name: str, value: Any, bound: Bound | None = None) -> None:
-    """`value` within `bound` (default: `BOUNDS[name]`), with a message naming the range."""
-    b = bound or BOUNDS[name]
+def check_bound(name: str, value: Any) -> None:
+    """`value` within `BOUNDS[name]`, with a message naming the range and the dtype."""
+    b = BOUNDS[name]
     if b.integer:
         check_int(name, value)
     else:
         check_number(name, value)
     if b.zero_ok and value == 0:
         return
-    below = value <= b.low if b.low_open else value < b.low
-    if below or value > b.high:
+    if not b.low <= value <= b.high:
         raise InvalidArgument(name, f"{name} must be {b.describe()} ({b.dtype} on the "
                                     f"device), got {shown(value)}")
 

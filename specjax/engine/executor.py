@@ -4,9 +4,9 @@ and the generation step in flight.
 `launch_*` pads rows into a batch bucket and dispatches a step asynchronously (JAX async
 dispatch); its small outputs start their device-to-host copies at once. A row whose
 preparation raises is left as padding and reported with its error, so one request's fault
-never stops the others' step. With the overlap
-scheduler the engine reads a generation step one call later, while the device runs the next;
-`unread_advance` tells the scheduler how far such a step may still move a request.
+never stops the others' step. With the overlap scheduler the engine reads a generation step
+one call later, while the device runs the next; `unread_advance` tells the scheduler how far
+such a step may still move a request.
 """
 from __future__ import annotations
 

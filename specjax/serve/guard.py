@@ -70,8 +70,7 @@ class GuardMiddleware:
     def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int,
                  on_reject: Callable[[int], None] | None = None,
                  request_timeout: float | None = None):
-        if api_key is not None and not api_key.strip():
-            raise ValueError("the API key is empty: give one, or None to serve without")
+        # An empty key is refused where settings are made (`ServerSettings`), not again here.
         self.app = app
         self.api_key = api_key.encode() if api_key is not None else None
         self.max_body_bytes = max_body_bytes
