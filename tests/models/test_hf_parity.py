@@ -71,8 +71,17 @@ def test_bfloat16_load_stays_close(family):
     _, folder, _, out = family
     model = load_hf_checkpoint(folder, dtype="bfloat16")
     assert isinstance(model, Llama) and model.embed[...].dtype == jnp.bfloat16
-    logits = np.asarray(model(jnp.asarray(SEQUENCES, jnp.int32)))
+    logits = np.asarray(model(jnp.asarray(SEQUENCES, jnp.int32))).astype(np.float32)
     ref = out.logits.numpy()
-    # bf16 keeps ~3 significant digits; the argmax should almost always agree.
+    # bf16 keeps 8 significant bits (rounding errs by at most 2^-8 of a value). Rounding the
+    # weights and activations of these 3 layers moved the logits by 0.8-3.3% of their largest
+    # magnitude (about 4-5) over 5 families x 5 init seeds; 2^-4 (6%, 16 times 2^-8) leaves
+    # room for another backend's accumulation order, while a mistake on the bf16 path (a tensor
+    # cast or scaled wrongly) moves the logits by far more than rounding does.
+    err = np.abs(logits - ref).max() / np.abs(ref).max()
+    assert err <= 2**-4
+    # The argmax can flip only where the reference's top-2 gap is below twice that error, which
+    # few of the 39 positions have: 0 flips for four families and 1 for mistral_window at this
+    # fixture's seed; at most 3 (agreement 36/39 = 0.923) over the 25 family x seed pairs.
     agree = (logits.argmax(-1) == ref.argmax(-1)).mean()
-    assert agree >= 0.8
+    assert agree >= 0.9

@@ -1,4 +1,8 @@
+import hashlib
+import platform
+import re
 import warnings
+from pathlib import Path, PurePosixPath
 
 import pytest
 
@@ -71,3 +75,68 @@ def test_real_stdlib_manifest():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         corpus.warn_if_mismatched(manifest)
+
+
+CHECKPOINTS = Path(__file__).resolve().parents[2] / "checkpoints"
+TARGET_MANIFEST = CHECKPOINTS / "stdlib-llama-7m" / corpus.MANIFEST_NAME
+# `train draft` copies its target's manifest (a draft must tokenize and train like its target).
+SHIPPED_MANIFESTS = [TARGET_MANIFEST, CHECKPOINTS / "stdlib-draft" / corpus.MANIFEST_NAME]
+EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
+
+
+@pytest.fixture(scope="module")
+def shipped():
+    return corpus.load_manifest(TARGET_MANIFEST)
+
+
+@pytest.mark.parametrize("path", SHIPPED_MANIFESTS, ids=lambda p: p.parent.name)
+def test_shipped_manifest_schema_and_split(path, shipped):
+    manifest = corpus.load_manifest(path)
+    assert manifest == shipped
+    assert set(manifest) == {"source", "python_version", "val_fraction", "files"}
+    assert manifest["source"] == "python-stdlib"
+    assert re.fullmatch(r"3\.\d+\.\d+", manifest["python_version"])
+    assert 0 < manifest["val_fraction"] < 0.5
+    for entry in manifest["files"]:
+        assert set(entry) == {"path", "sha256", "split", "size"}, entry
+        assert re.fullmatch(r"[0-9a-f]{64}", entry["sha256"]), entry
+        # Empty files are real (package __init__.py); then the hash must be the empty string's.
+        assert isinstance(entry["size"], int) and entry["size"] >= 0, entry
+        assert (entry["size"] == 0) == (entry["sha256"] == EMPTY_SHA256), entry
+        rel = PurePosixPath(entry["path"])
+        assert rel.suffix == ".py" and not rel.is_absolute() and ".." not in rel.parts, entry
+        assert not corpus._excluded(rel), entry
+    paths = [f.path for f in corpus.manifest_files(manifest)]
+    # Sorted and unique: every file sits in exactly one split, so train and val share no file.
+    assert paths == sorted(set(paths))
+    # The split is a function of the path alone; one decided any other way (by hand, by an
+    # older rule) would make a rebuilt manifest on another machine disagree.
+    for f in corpus.manifest_files(manifest):
+        assert f.split == corpus.split_of(f.path, manifest["val_fraction"]), f.path
+    val = corpus.manifest_files(manifest, "val")
+    train = corpus.manifest_files(manifest, "train")
+    assert val and train and len(val) + len(train) == len(paths)
+    assert corpus.ALWAYS_TRAIN <= {f.path for f in train}
+
+
+@pytest.mark.parametrize("folder", ["stdlib-llama-7m", "stdlib-draft"])
+def test_model_card_describes_the_shipped_manifest(folder, shipped):
+    card = (CHECKPOINTS / folder / "MODEL_CARD.md").read_text()
+    data = re.search(r"- ([\d,]+) `\.py` files of the CPython (\S+) standard library", card)
+    held_out = re.search(r"- validation: ([\d,]+) held-out files", card)
+    assert data and held_out, "the card's Data section changed shape"
+    assert int(data[1].replace(",", "")) == len(shipped["files"])
+    assert data[2] == shipped["python_version"]
+    assert int(held_out[1].replace(",", "")) == len(corpus.manifest_files(shipped, "val"))
+
+
+def test_shipped_manifest_matches_this_stdlib(shipped):
+    recorded, running = shipped["python_version"], platform.python_version()
+    if recorded != running:
+        pytest.skip(f"the shipped manifest records the stdlib of Python {recorded}; this is "
+                    f"Python {running}, whose stdlib files legitimately differ")
+    rebuilt = corpus.build_manifest(val_fraction=shipped["val_fraction"])
+    want = {f["path"]: f["sha256"] for f in shipped["files"]}
+    got = {f["path"]: f["sha256"] for f in rebuilt["files"]}
+    assert sorted(p for p in want.keys() | got.keys() if want.get(p) != got.get(p)) == []
+    assert rebuilt == shipped

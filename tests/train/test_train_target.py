@@ -59,7 +59,11 @@ def test_eval_and_greedy_helpers(streams, uninterrupted):
     assert windows.shape == ((len(streams[1]) - 1) // 16, 17)
     np.testing.assert_array_equal(windows[1, 0], windows[0, -1])
     loss = loss_over_windows(model, windows, batch_size=7)  # exercises the padded last batch
-    assert np.isfinite(loss) and loss < np.log(64) + 1
+    # A model that learned nothing scores about ln 64 = 4.16 (untrained inits: 4.10-4.17). The
+    # stream uses only ids 1..17, so learning just that gives at most ln 17 = 2.83; its noise
+    # floor is H(0.1) = 0.33. Four steps get part of the way: 3.45 here, 3.37-3.45 over 3 data x
+    # 3 init seeds. Half a nat under ln 64 separates that from no learning, with room to spare.
+    assert np.isfinite(loss) and loss < np.log(64) - 0.5
 
     class ToyTokenizer:  # ids as characters, enough for the helper's contract
         def encode(self, text, add_special_tokens=False):
