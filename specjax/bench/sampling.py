@@ -1,69 +1,237 @@
-"""Rejection sampling on the bundled target + draft: does sampled output follow the target, and
-how much more is accepted than with strict matching?
+"""Rejection sampling on the bundled target with each in-step drafter: does every token follow
+the target's distribution, at every draft depth, and how much more is accepted than with strict
+matching?
 
-Each sampled sequence contributes one independent observation (its tokens 3 and 4: token 1
-comes from prefill and token 2 from a step with no drafts yet, so token 3 is the first that
-verification decides). Speculative and plain samples are compared with a two-sample chi-square
-homogeneity test (categories with a pooled expected count below 5 merged; critical value at
-alpha = 1e-4 by the Wilson-Hilferty approximation). The draft model's own samples, compared the
-same way, show the test's power.
+Sequences are sampled long enough that steps verify full chains of D drafts, so every depth
+and the bonus token after a full chain are decided many times. Each generated token is tagged
+with what decided it: a step without drafts ("plain"), the draft at depth k = 1..D (accepted,
+or the correction drawn from the residual at the first rejection), or the bonus after k - 1
+accepted drafts. Its exact target distribution p(. | prefix) is computed afterwards by a dense
+forward of the target over the finished sequence (float64 softmax of logits / temperature).
+
+The test, per group of tokens (one group per depth): tokens are put in categories that depend
+only on what was known before the token was drawn -- the token's rank under p (bins 0, 1, 2-3,
+4-7, 8-15, 16+) crossed with whether p > q at it (q: the draft distribution at that depth,
+read from the engine's slot state before the step; 0 for bonus and plain tokens). Under
+exactness each token's category is a draw from its own P_i(c) = sum of p over the category,
+so O - E (observed minus expected counts) is a sum of martingale differences with covariance
+S = sum_i diag(P_i) - P_i P_i^T; the statistic (O - E)^T S^-1 (O - E) (one category dropped)
+is chi-square with C - 1 degrees of freedom in the limit (martingale CLT). Categories whose
+expected count is below 5 are merged. A group fails when the statistic exceeds the critical
+value at alpha = 1e-5 (Wilson-Hilferty). The same statistic applied to the draft tokens
+themselves (drawn from q, not p) must fail: that shows its power.
 """
 from __future__ import annotations
 
 import argparse
-import collections
+import dataclasses
 import math
+
+import numpy as np
 
 from specjax.llm import LLM
 from specjax.models.registry import BUNDLED_TARGET, CHECKPOINTS_DIR
 from specjax.sampling_params import SamplingParams
-from specjax.speculative.config import DraftTargetConfig
-from specjax.speculative.defaults import BUNDLED_DRAFT
+from specjax.speculative.config import SpeculativeConfig
+from specjax.speculative.defaults import shipped_configs
 
 PROMPT = "def fibonacci(n):"
-Z_1E4 = 3.719  # standard normal quantile for alpha = 1e-4
+Z_1E5 = 4.265  # standard normal quantile for alpha = 1e-5
+RANK_EDGES = (1, 2, 4, 8, 16)  # rank bins [0], [1], [2, 4), [4, 8), [8, 16), [16, V)
 
 
-def chi_square(a: list, b: list, z: float = Z_1E4) -> tuple[float, int, float]:
-    """Two-sample chi-square homogeneity test: (statistic, degrees of freedom, critical value
-    at the level whose standard normal quantile is z). The samples differ if stat > critical."""
-    ca, cb = collections.Counter(a), collections.Counter(b)
-    na, nb = len(a), len(b)
-    keys = set(ca) | set(cb)
-    big = {k for k in keys if (ca[k] + cb[k]) * min(na, nb) / (na + nb) >= 5}
-    rows = [(ca[k], cb[k]) for k in big]
-    rows.append((sum(ca[k] for k in keys - big), sum(cb[k] for k in keys - big)))
-    rows = [r for r in rows if sum(r)]
-    stat = 0.0
-    for x, y in rows:
-        ea, eb = (x + y) * na / (na + nb), (x + y) * nb / (na + nb)
-        stat += (x - ea) ** 2 / ea + (y - eb) ** 2 / eb
-    df = max(len(rows) - 1, 1)
-    critical = df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
-    return stat, df, critical
+def critical_value(df: int, z: float = Z_1E5) -> float:
+    """Chi-square critical value for `df` degrees of freedom at the level whose standard normal
+    quantile is z (Wilson-Hilferty)."""
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
 
 
-def make_llm(model: str, max_draft_len: int = 0, rejection_sampling: bool = False) -> LLM:
-    spec = None
-    if max_draft_len:
-        spec = DraftTargetConfig(max_draft_len=max_draft_len,
-                                 speculative_model=str(CHECKPOINTS_DIR / BUNDLED_DRAFT),
-                                 use_rejection_sampling=rejection_sampling)
-    # Compiled lazily: only the shapes these runs use.
-    return LLM(model, max_batch_size=8, max_prefill_rows=4, prefill_chunk=16, max_model_len=64,
-               speculative_config=spec, warmup=False, progress=False)
+def in_step_configs(max_draft_len: int, rejection_sampling: bool = True
+                    ) -> dict[str, SpeculativeConfig]:
+    """The in-step drafters shipped for the bundled target (they carry draft distributions)."""
+    return {c.mode.name.lower(): dataclasses.replace(c, use_rejection_sampling=rejection_sampling)
+            for c in shipped_configs(max_draft_len) if c.mode.name != "NGRAM"}
 
 
-def observations(llm: LLM, n: int, seed_offset: int, top_k: int) -> list[tuple[int, int]]:
-    """(token 3, token 4) of n sequences sampled at temperature 1 (and top-k, 0 = off)."""
-    params = [SamplingParams(max_tokens=4, temperature=1.0, top_k=top_k, seed=seed_offset + i,
-                             ignore_eos=True) for i in range(n)]
-    return [tuple(o.token_ids[2:4]) for o in llm.generate([PROMPT] * n, params)]
+def make_llm(spec: SpeculativeConfig | None, max_batch_size: int = 16,
+             max_model_len: int = 64) -> LLM:
+    """The bundled target (float32), overlap off so the slot state read after each step holds
+    exactly the drafts the next step verifies. Compiled lazily: only the shapes used."""
+    return LLM(str(CHECKPOINTS_DIR / BUNDLED_TARGET), max_batch_size=max_batch_size,
+               max_prefill_rows=4, prefill_chunk=16, max_model_len=max_model_len,
+               speculative_config=spec, overlap_scheduler=False, warmup=False, progress=False)
 
 
-def acceptance_rate(llm: LLM, requests: int, max_tokens: int) -> float:
+@dataclasses.dataclass
+class Decided:
+    """Generated tokens tagged by what decided them (parallel arrays, one entry per token)."""
+
+    seq: np.ndarray        # [n] which sequence
+    pos: np.ndarray        # [n] index of the token in prompt + output
+    kind: np.ndarray       # [n] 0 plain (no drafts), 1 draft depth (accepted or corrected), 2 bonus
+    depth: np.ndarray      # [n] k = 1-based index of the token within its step's emission
+    full_chain: np.ndarray  # [n] bonus after the step's full D drafts
+    draft: np.ndarray      # [n] the draft token at this depth (-1 for plain and bonus)
+    q: list                # [n] the draft distribution `[V]` (None for plain and bonus)
+    sequences: list[list[int]]
+    prompt_len: int
+
+
+def sample_and_tag(llm: LLM, D: int, n: int, max_tokens: int, temperature: float,
+                   seed_offset: int, prompt: str = PROMPT) -> Decided:
+    """Sample `n` sequences of `max_tokens` tokens at `temperature`, driving the engine step by
+    step, and tag every generated token with the depth that decided it."""
+    engine = llm.engine
+    if engine.overlap:
+        raise ValueError("tagging needs overlap_scheduler=False (drafts read after each step)")
+    ids = llm.encode(prompt)
+    params = [SamplingParams(max_tokens=max_tokens, temperature=temperature,
+                             seed=seed_offset + i, ignore_eos=True) for i in range(n)]
+    requests = [engine.requests[engine.add_request(ids, p)] for p in params]
+    pending = {}  # request index -> (drafts, q `[d, V]`) to be verified by its next step
+    cols = {k: [] for k in ("seq", "pos", "kind", "depth", "full_chain", "draft")}
+    qs = []
+    preemptions = engine.stats.num_preemptions
+    while engine.has_unfinished():
+        before = [(len(r.output_ids), r.stats.num_draft_tokens) for r in requests]
+        engine.step()
+        slots = engine.executor.state.slots
+        probs = None if slots.draft_probs is None else np.asarray(slots.draft_probs)
+        for i, r in enumerate(requests):
+            emitted = len(r.output_ids) - before[i][0]
+            if emitted:
+                d = r.stats.num_draft_tokens - before[i][1]
+                drafts, q = pending.pop(i, ([], None))
+                if r.output_ids[before[i][0]:before[i][0] + emitted - 1] != drafts[:emitted - 1]:
+                    raise AssertionError("emitted tokens before the last are not the drafts")
+                for k in range(1, emitted + 1):
+                    cols["seq"].append(i)
+                    cols["pos"].append(len(r.prompt_ids) + before[i][0] + k - 1)
+                    kind = 0 if d == 0 else (1 if k <= d else 2)
+                    cols["kind"].append(kind)
+                    cols["depth"].append(k)
+                    cols["full_chain"].append(kind == 2 and d == D)
+                    cols["draft"].append(drafts[k - 1] if kind == 1 else -1)
+                    qs.append(q[k - 1] if kind == 1 else None)
+            if r.finish_reason is None and r.slot is not None and r.draft_tokens:
+                pending[i] = (list(r.draft_tokens),
+                              probs[r.slot, :len(r.draft_tokens)].copy() if probs is not None
+                              else None)
+            elif emitted:
+                pending.pop(i, None)
+    if engine.stats.num_preemptions != preemptions:
+        raise AssertionError("a request was preempted: size the KV pool for the whole batch")
+    if any(len(r.output_ids) != max_tokens for r in requests):
+        raise AssertionError("a sequence finished early")
+    return Decided(**{k: np.asarray(v) for k, v in cols.items()}, q=qs,
+                   sequences=[r.prompt_ids + r.output_ids for r in requests],
+                   prompt_len=len(ids))
+
+
+def target_probs(llm: LLM, sequences: list[list[int]], temperature: float,
+                 batch: int = 32) -> np.ndarray:
+    """The target's exact next-token distributions `[N, L, V]` float64 (row t: p(. | seq[:t+1]))
+    from a dense forward of the model over whole sequences."""
+    import jax.numpy as jnp
+    out = []
+    for i in range(0, len(sequences), batch):
+        logits = np.asarray(llm.model(jnp.asarray(sequences[i:i + batch], jnp.int32)), np.float64)
+        x = logits / temperature
+        x -= x.max(-1, keepdims=True)
+        e = np.exp(x)
+        out.append(e / e.sum(-1, keepdims=True))
+    return np.concatenate(out)
+
+
+def categorise(p: np.ndarray, q: np.ndarray, tokens: np.ndarray
+               ) -> tuple[np.ndarray, np.ndarray]:
+    """p `[n, V]`, q `[n, V]` (zeros where there is no draft distribution), tokens `[n]` ->
+    (P `[n, C]` = p's mass per category, each token's category `[n]`).
+    Categories: rank bin under p x (p > q)."""
+    n, V = p.shape
+    order = np.argsort(-p, axis=1, kind="stable")
+    rank = np.empty_like(order)
+    np.put_along_axis(rank, order, np.arange(V)[None], axis=1)
+    cat = np.searchsorted(np.asarray(RANK_EDGES), rank, side="right") * 2 + (p > q)
+    C = 2 * (len(RANK_EDGES) + 1)
+    P = np.zeros((n, C))
+    np.add.at(P, (np.arange(n)[:, None], cat), p)
+    return P, cat[np.arange(n), tokens]
+
+
+def chi_square_exact(P: np.ndarray, observed: np.ndarray) -> tuple[float, int, float]:
+    """P `[n, C]` (each observation's category probabilities), observed `[n]` categories ->
+    (statistic, degrees of freedom, critical value at alpha 1e-5); see the module docstring."""
+    n, C = P.shape
+    E = P.sum(0)
+    keep = [c for c in np.argsort(-E) if E[c] >= 5]
+    rest = [c for c in range(C) if c not in keep]
+    if rest and P[:, rest].sum() < 5 and keep:  # too small alone: fold into the smallest kept
+        rest.append(keep.pop())
+    groups = [[c] for c in keep] + ([rest] if rest else [])
+    M = np.stack([P[:, g].sum(1) for g in groups], 1)                     # [n, G]
+    onehot = np.zeros((n, C))
+    onehot[np.arange(n), observed] = 1
+    O = np.stack([onehot[:, g].sum(1) for g in groups], 1).sum(0)
+    E = M.sum(0)
+    if len(groups) < 2:
+        return 0.0, 0, float("inf")
+    d = (O - E)[:-1]
+    S = np.diag(E[:-1]) - M[:, :-1].T @ M[:, :-1]
+    stat = float(d @ np.linalg.solve(S, d))
+    df = len(groups) - 1
+    return stat, df, critical_value(df)
+
+
+@dataclasses.dataclass
+class GroupResult:
+    name: str
+    count: int
+    stat: float
+    df: int
+    critical: float
+
+    @property
+    def differs(self) -> bool:
+        return self.stat > self.critical
+
+
+def depth_groups(tags: Decided, D: int) -> dict[str, np.ndarray]:
+    """Index sets: tokens decided by a step without drafts, at draft depth k, and bonus tokens
+    (after a full chain of D, and after a shorter one)."""
+    groups = {"plain": np.flatnonzero(tags.kind == 0)}
+    for k in range(1, D + 1):
+        groups[f"depth {k}"] = np.flatnonzero((tags.kind == 1) & (tags.depth == k))
+    groups["bonus (full chain)"] = np.flatnonzero((tags.kind == 2) & tags.full_chain)
+    groups["bonus (short chain)"] = np.flatnonzero((tags.kind == 2) & ~tags.full_chain)
+    return groups
+
+
+def judge_groups(tags: Decided, p: np.ndarray, D: int, drafted: bool = False
+                ) -> list[GroupResult]:
+    """The statistic for every group. `drafted`: judge the draft tokens (drawn from q) instead
+    of the emitted ones, at draft depths only -- the power check, which must fail."""
+    results = []
+    for name, idx in depth_groups(tags, D).items():
+        if drafted and not name.startswith("depth"):
+            continue
+        if len(idx) == 0:
+            results.append(GroupResult(name, 0, 0.0, 0, float("inf")))
+            continue
+        seqs, pos = tags.seq[idx], tags.pos[idx]
+        V = p.shape[-1]
+        q = np.stack([np.zeros(V) if tags.q[j] is None else tags.q[j] for j in idx])
+        tokens = (tags.draft[idx] if drafted
+                  else np.asarray([tags.sequences[s][t] for s, t in zip(seqs, pos)]))
+        P, obs = categorise(p[seqs, pos - 1], q, tokens)
+        stat, df, crit = chi_square_exact(P, obs)
+        results.append(GroupResult(name, len(idx), stat, df, crit))
+    return results
+
+
+def acceptance_rate(llm: LLM, requests: int, max_tokens: int, temperature: float = 1.0) -> float:
     before = (llm.stats.accepted_draft_tokens, llm.stats.drafted_tokens)
-    params = [SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=i)
+    params = [SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=i)
               for i in range(requests)]
     llm.generate([PROMPT] * requests, params)
     return ((llm.stats.accepted_draft_tokens - before[0])
@@ -71,28 +239,33 @@ def acceptance_rate(llm: LLM, requests: int, max_tokens: int) -> float:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--samples", type=int, default=1000, help="sequences per method")
-    parser.add_argument("--top-k", type=int, default=8)
+    parser.add_argument("--samples", type=int, default=512, help="sequences per drafter")
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--temperature", type=float, default=0.8)
     parser.add_argument("--max-draft-len", type=int, default=3)
 
 
 def run(args: argparse.Namespace) -> None:
-    target = str(CHECKPOINTS_DIR / BUNDLED_TARGET)
-    D = args.max_draft_len
-    plain = observations(make_llm(target), args.samples, 0, args.top_k)
-    rs_llm = make_llm(target, D, rejection_sampling=True)
-    rs = observations(rs_llm, args.samples, 10**6, args.top_k)
-    draft = observations(make_llm(str(CHECKPOINTS_DIR / BUNDLED_DRAFT)), args.samples, 10**6,
-                         args.top_k)
-    print(f"{args.samples} sequences per method, temperature 1, top-k {args.top_k}, D={D}; "
-          f"chi-square vs plain sampling (alpha = 1e-4)")
-    print(f"{'sample':>22} {'stat':>8} {'df':>4} {'critical':>9} {'differs':>8}")
-    for name, sample, pick in [("rejection, unigram", rs, lambda t: t[0]),
-                               ("rejection, bigram", rs, lambda t: t),
-                               ("draft model, unigram", draft, lambda t: t[0])]:
-        stat, df, crit = chi_square([pick(t) for t in plain], [pick(t) for t in sample])
-        print(f"{name:>22} {stat:>8.1f} {df:>4} {crit:>9.1f} {str(stat > crit):>8}")
-    strict = acceptance_rate(make_llm(target, D), 16, 32)
-    rejection = acceptance_rate(rs_llm, 16, 32)
-    print(f"acceptance at temperature 1 (16 requests x 32 tokens): rejection sampling "
-          f"{rejection:.1%}, strict matching {strict:.1%}")
+    D0 = args.max_draft_len
+    print(f"{args.samples} sequences x {args.max_tokens} tokens per drafter, temperature "
+          f"{args.temperature}, D={D0}; generalized chi-square against the target's exact "
+          f"distribution per depth (alpha = 1e-5)")
+    for name, spec in in_step_configs(D0).items():
+        llm = make_llm(spec)
+        D = spec.max_draft_len
+        tags = sample_and_tag(llm, D, args.samples, args.max_tokens, args.temperature, 0)
+        p = target_probs(llm, tags.sequences, args.temperature)
+        print(f"\n{name} D={D}: acceptance {llm.stats.acceptance_rate:.1%}, "
+              f"AL {llm.stats.acceptance_length:.2f}")
+        print(f"{'tokens decided by':>22} {'n':>6} {'stat':>8} {'df':>4} {'critical':>9} "
+              f"{'differs':>8}")
+        for r in judge_groups(tags, p, D):
+            print(f"{r.name:>22} {r.count:>6} {r.stat:>8.1f} {r.df:>4} {r.critical:>9.1f} "
+                  f"{str(r.differs):>8}")
+        for r in judge_groups(tags, p, D, drafted=True):
+            print(f"{'drafts, ' + r.name:>22} {r.count:>6} {r.stat:>8.1f} {r.df:>4} "
+                  f"{r.critical:>9.1f} {str(r.differs):>8}")
+        strict = acceptance_rate(make_llm(dataclasses.replace(spec, use_rejection_sampling=False)), 16, 32)
+        rejection = acceptance_rate(llm, 16, 32)
+        print(f"acceptance at temperature 1 (16 requests x 32 tokens): rejection sampling "
+              f"{rejection:.1%}, strict matching {strict:.1%}")

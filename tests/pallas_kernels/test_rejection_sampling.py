@@ -86,6 +86,8 @@ def ragged_batch(V=40, D=4, dtype=np.float32):
     q[2, :, V // 2:] = 0
     p[2] /= p[2].sum(-1, keepdims=True)
     q[2] /= q[2].sum(-1, keepdims=True)
+    p[3, :, : V // 4] = 0                             # zeros in p (id 0 among them), and
+    p[3] /= p[3].sum(-1, keepdims=True)
     q[3] = 2 * p[3, :D]                               # residual max(0, p - q) is all zero
     drafts = np.array([[draw(rng, q[b, i]) for i in range(D)] for b in range(B)], np.int32)
     q[4, 0, drafts[4, 0]] = 0                         # q = p = 0 at the draft: rejected,
@@ -127,8 +129,10 @@ def test_kernel_equals_reference_on_ragged_rows(chunk, dtype):
     assert emitted[7] == 1           # draft_lens 0: just the token from p
     assert emitted[4] == 1           # q = p = 0 at the first draft: rejected
     assert emitted[5] <= 2           # the second draft is out of the vocabulary
-    # The zero-mass residual row falls back to p: its last token has p > 0.
+    # The zero-mass residual row falls back to p: its last token has p > 0 (a quarter of p is
+    # zero, id 0 included, which an all-zero inverse-CDF draw would return).
     n = emitted[3]
+    assert n <= draft_lens[3], "row 3 must reject a draft to reach its zero-mass residual"
     assert p[3, n - 1, np.asarray(out[0])[3, n - 1]] > 0
 
 
@@ -190,6 +194,53 @@ def test_first_token_follows_p(name):
     np.testing.assert_array_equal(kemitted, emitted[:n_kernel])
     ktvd = 0.5 * np.abs(empirical(ktokens[:, 0], V) - p).sum()
     assert ktvd < tvd_bound(n_kernel, V), (name, ktvd, tvd_bound(n_kernel, V))
+
+
+# Per-depth (p, q) over V = 6 for a chain of D = 3: every depth has its own target and draft
+# distribution, so a bug that judges one depth with another depth's q (or p), reuses one
+# uniform across depths, or corrects from p instead of the residual shows at that depth.
+DEPTH_P = [normalise(np.random.default_rng(20 + k).dirichlet(np.ones(6) * 0.7)) for k in range(4)]
+DEPTH_Q = [normalise(np.random.default_rng(30 + k).dirichlet(np.ones(6) * 0.7)) for k in range(3)]
+
+
+@pytest.mark.parametrize("impl,n", [("reference", 300_000), ("kernel", 40_000)])
+def test_each_depth_and_the_bonus_follow_their_own_p(impl, n):
+    """Draft k is drawn from q_k; the token at index k (decided at depth k + 1, among rows that
+    emitted it) must follow p_k, for k = 0..2, and the bonus after a full chain p_3. Each
+    depth's TVD is held to the Hoeffding bound for its own sample size (module docstring)."""
+    D, V = 3, 6
+    rng = np.random.default_rng(21)
+    q = np.broadcast_to(np.stack(DEPTH_Q), (n, D, V)).copy()
+    p = np.broadcast_to(np.stack(DEPTH_P), (n, D + 1, V)).copy()
+    drafts = np.stack([draw(rng, DEPTH_Q[k], size=n) for k in range(D)], 1).astype(np.int32)
+    args = (q, drafts, p, np.arange(n, dtype=np.uint32) * 7 + 1, np.full((n,), 17, np.int32))
+    tokens, emitted = map(np.asarray, (reference if impl == "reference" else kernel)(*args))
+    for k in range(D + 1):
+        rows = emitted >= k + 1
+        got = tokens[rows, k]
+        bound = tvd_bound(len(got), V)
+        assert len(got) > n * 0.05 and bound < 0.05, (k, len(got))  # enough rows reach depth k
+        tvd = 0.5 * np.abs(empirical(got, V) - DEPTH_P[k]).sum()
+        assert tvd < bound, (impl, k, tvd, bound)
+
+
+def test_zero_mass_residual_falls_back_to_p():
+    """A draft neither distribution allows (q = p = 0 there) is always rejected, and with q = p
+    the residual max(0, p - q) has no mass: the token must then follow p itself -- never one of
+    p's zeros (ids 0, 3 and 7 here; an all-zero inverse-CDF draw would give id 0)."""
+    n, V = 100_000, 8
+    p = normalise([0, 0.3, 0.1, 0, 0.25, 0.05, 0.3, 0])
+    q = p.copy()
+    args = (np.broadcast_to(q, (n, 1, V)).copy(), np.full((n, 1), 3, np.int32),
+            np.broadcast_to(p, (n, 2, V)).copy(), np.arange(n, dtype=np.uint32),
+            np.full((n,), 5, np.int32))
+    tokens, emitted = map(np.asarray, reference(*args))
+    assert np.all(emitted == 1)
+    assert not np.isin(tokens[:, 0], [0, 3, 7]).any()
+    tvd = 0.5 * np.abs(empirical(tokens[:, 0], V) - p).sum()
+    assert tvd < tvd_bound(n, V), tvd
+    ktokens, _ = kernel(*(a[:4096] for a in args))
+    np.testing.assert_array_equal(np.asarray(ktokens), tokens[:4096])
 
 
 @pytest.mark.parametrize("name", ["q_where_p_small", "random"])

@@ -1,85 +1,96 @@
-"""Rejection sampling in the one-model step, end to end on the bundled target and draft.
+"""Rejection sampling in the one-model step, end to end on the bundled target with every shipped
+in-step drafter (draft model, EAGLE-3 head, MTP modules), at every draft depth.
 
-Sampled output must follow the target's distribution. Each sampled sequence contributes one
-independent observation (its tokens at fixed generated positions), and the speculative and
-plain samples are compared with a chi-square homogeneity test: categories with a pooled
-expected count below 5 are merged, and the test fails when the statistic exceeds the
-alpha = 1e-4 critical value (Wilson-Hilferty approximation). The seeds are fixed, so the
-outcome is deterministic; a correct implementation would fail for a random seed set with
-probability about 1e-4. The same test run against the draft model's own samples must fail,
-which shows it has the power to catch a sampler that leaks the draft distribution.
+Sampled output must follow the target's distribution. 128 sequences of 32 tokens at
+temperature 0.8 with D = 3, so steps verify full chains: every generated token is tagged with
+what decided it (a step without drafts; the draft at depth k, accepted or corrected; the bonus
+after a full or a shorter chain), and each group is compared with the target's exact
+distribution at that token's prefix (a dense forward of the target) by the generalized
+chi-square test of `specjax.bench.sampling`, at alpha = 1e-5 per group. The seeds are fixed, so
+the outcome is deterministic; over 3 drafters x 6 groups a correct implementation fails for a
+random seed set with probability about 2e-4. The same statistic judging the draft tokens
+themselves (drawn from q) must fail -- the test has the power to see a sampler that leaks the
+draft distribution. `tests/mutants.py` plants bugs in the acceptance code and checks that these
+tests catch them.
 """
 import pytest
 
-from specjax.bench.sampling import BUNDLED_DRAFT, PROMPT, chi_square, make_llm, observations
-from specjax.models.registry import CHECKPOINTS_DIR
+from specjax.bench.sampling import (PROMPT, depth_groups, in_step_configs, judge_groups,
+                                    make_llm, sample_and_tag, target_probs)
 from specjax.sampling_params import SamplingParams
 
-DRAFT = CHECKPOINTS_DIR / BUNDLED_DRAFT
-N = 400
-pytestmark = pytest.mark.skipif(not (DRAFT / "config.json").exists(), reason="no bundled draft")
-
-
-def _llm(model, rejection_sampling=None):
-    return make_llm(model, 0 if rejection_sampling is None else 3, bool(rejection_sampling))
-
-
-def _observations(llm, seed_offset: int) -> list[tuple[int, int]]:
-    return observations(llm, N, seed_offset, top_k=8)
-
-
-def chi_square_exceeds(a: list, b: list) -> tuple[bool, float, float]:
-    stat, _, critical = chi_square(a, b)
-    return stat > critical, stat, critical
+N, MAX_TOKENS, TEMPERATURE, D = 128, 32, 0.8, 3
+CONFIGS = in_step_configs(D)
+DRAFTERS = sorted(CONFIGS)
+GROUPS = ["plain", "depth 1", "depth 2", "depth 3", "bonus (full chain)", "bonus (short chain)"]
+pytestmark = pytest.mark.skipif(not DRAFTERS, reason="no bundled in-step drafter")
 
 
 @pytest.fixture(scope="module")
-def plain_llm():
-    return _llm("bundled")
+def runs():
+    """drafter -> (llm, tags, p), sampled on first use."""
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            llm = make_llm(CONFIGS[name])
+            tags = sample_and_tag(llm, CONFIGS[name].max_draft_len, N, MAX_TOKENS, TEMPERATURE,
+                                  seed_offset=10**6)
+            cache[name] = llm, tags, target_probs(llm, tags.sequences, TEMPERATURE)
+        return cache[name]
+
+    return get
 
 
-@pytest.fixture(scope="module")
-def rs_llm():
-    return _llm("bundled", rejection_sampling=True)
-
-
-@pytest.fixture(scope="module")
-def plain_samples(plain_llm):
-    return _observations(plain_llm, seed_offset=0)
-
-
-def test_rejection_sampling_follows_the_target_distribution(plain_samples, rs_llm):
-    llm = rs_llm
-    speculative = _observations(llm, seed_offset=10**6)
-    assert llm.stats.accepted_draft_tokens > 0  # the drafts really were verified
-    for name, pick in [("unigram", lambda t: t[0]), ("bigram", lambda t: t)]:
-        differs, stat, critical = chi_square_exceeds([pick(t) for t in plain_samples],
-                                                     [pick(t) for t in speculative])
-        assert not differs, f"{name}: chi2 {stat:.1f} > {critical:.1f}"
+@pytest.mark.parametrize("drafter", DRAFTERS)
+def test_every_depth_and_the_bonus_are_decided_many_times(runs, drafter):
+    llm, tags, _ = runs(drafter)
+    assert CONFIGS[drafter].max_draft_len == D
+    groups = depth_groups(tags, D)
+    for name in GROUPS:
+        assert len(groups[name]) >= (100 if name != "bonus (short chain)" else 20), \
+            (name, len(groups[name]))
+    for k in range(1, D + 1):  # at every depth some drafts are accepted and some corrected
+        idx = groups[f"depth {k}"]
+        accepted = sum(tags.sequences[s][t] == tags.draft[j]
+                       for j, s, t in zip(idx, tags.seq[idx], tags.pos[idx]))
+        assert 0.05 * len(idx) < accepted < 0.95 * len(idx), (k, accepted, len(idx))
     assert llm.engine.allocator.num_free_blocks == llm.engine.allocator.total_blocks
 
 
-def test_the_statistic_detects_the_draft_distribution(plain_samples):
-    draft_samples = _observations(_llm(str(DRAFT)), seed_offset=10**6)
-    differs, stat, critical = chi_square_exceeds([t[0] for t in plain_samples],
-                                                 [t[0] for t in draft_samples])
-    assert differs, f"chi2 {stat:.1f} <= {critical:.1f}: the test has no power"
+@pytest.mark.parametrize("group", GROUPS)
+@pytest.mark.parametrize("drafter", DRAFTERS)
+def test_tokens_decided_at_each_depth_follow_the_target(runs, drafter, group):
+    _, tags, p = runs(drafter)
+    result = next(r for r in judge_groups(tags, p, D) if r.name == group)
+    assert result.count > 0
+    assert not result.differs, (f"{drafter}, {group}: chi2 {result.stat:.1f} > "
+                                f"{result.critical:.1f} (df {result.df}, n {result.count})")
 
 
-def test_rejection_sampling_accepts_more_than_strict_matching(rs_llm):
-    params = [SamplingParams(max_tokens=24, temperature=1.0, seed=i) for i in range(8)]
-    rates = {}
-    for rejection_sampling, llm in [(False, _llm("bundled", rejection_sampling=False)), (True, rs_llm)]:
-        before = (llm.stats.accepted_draft_tokens, llm.stats.drafted_tokens)
-        llm.generate([PROMPT] * len(params), params)
-        accepted = llm.stats.accepted_draft_tokens - before[0]
-        rates[rejection_sampling] = accepted / (llm.stats.drafted_tokens - before[1])
+@pytest.mark.parametrize("drafter", DRAFTERS)
+def test_the_statistic_detects_the_draft_distribution(runs, drafter):
+    """Draft tokens are drawn from q, not p: judged as if emitted, every depth must fail."""
+    _, tags, p = runs(drafter)
+    for r in judge_groups(tags, p, D, drafted=True):
+        assert r.differs, f"{drafter}, {r.name}: chi2 {r.stat:.1f} <= {r.critical:.1f}"
+
+
+def test_rejection_sampling_accepts_more_than_strict_matching(runs):
+    import dataclasses
+    from specjax.bench.sampling import acceptance_rate
+    name = DRAFTERS[0]
+    llm = runs(name)[0]
+    strict = make_llm(dataclasses.replace(CONFIGS[name], use_rejection_sampling=False),
+                      max_batch_size=8)
+    rates = {True: acceptance_rate(llm, 8, 24), False: acceptance_rate(strict, 8, 24)}
     assert rates[True] > rates[False] + 0.1, rates
 
 
-def test_greedy_rows_stay_exact_beside_sampled_ones(rs_llm, plain_llm):
+def test_greedy_rows_stay_exact_beside_sampled_ones(runs):
+    llm = runs(DRAFTERS[0])[0]
     greedy = SamplingParams(max_tokens=20)
     mixed = [greedy, SamplingParams(max_tokens=20, temperature=1.0, seed=1), greedy]
-    outs = rs_llm.generate([PROMPT, PROMPT, "import os\n"], mixed)
-    plain = plain_llm.generate([PROMPT, "import os\n"], greedy)
+    outs = llm.generate([PROMPT, PROMPT, "import os\n"], mixed)
+    plain = make_llm(None, max_batch_size=2).generate([PROMPT, "import os\n"], greedy)
     assert [outs[0].token_ids, outs[2].token_ids] == [o.token_ids for o in plain]

@@ -1,0 +1,183 @@
+"""Planted bugs in the acceptance code that the statistical tests must catch.
+
+Each mutant is one textual change to one source file. It is applied to a scratch copy of the
+repository (specjax/, pallas_kernels/, tests/, pyproject.toml; checkpoints/ linked), and the
+mutant's tests run there in a child pytest with the copy first on the import path; the mutant
+is caught when they fail. The tests are the distribution tests, never a kernel-vs-reference
+equality check (which would catch a reference-only change trivially): what is shown is that
+the statistics themselves see the bug. `tests/test_mutants.py` (slow, CI's second job) runs
+every mutant with `-x`;
+
+    python tests/mutants.py [--report] [NAME ...]
+
+prints which tests catch each one (`--report`: every test runs, no `-x`).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+REFERENCE = "pallas_kernels/rejection_sampling/reference.py"
+KERNEL_DEPTHS = ("tests/pallas_kernels/test_rejection_sampling.py::"
+                 "test_each_depth_and_the_bonus_follow_their_own_p[reference-300000]")
+KERNEL_ZERO_MASS = ("tests/pallas_kernels/test_rejection_sampling.py::"
+                    "test_zero_mass_residual_falls_back_to_p")
+E2E = "tests/speculative/test_rejection_sampling_e2e.py"
+# The draft-model drafter's groups (its sampling run is shared by them; one drafter keeps a
+# mutant's run to a couple of minutes).
+E2E_DEPTHS = tuple(f"{E2E}::test_tokens_decided_at_each_depth_follow_the_target"
+                   f"[draft_target_one_model-{group}]"
+                   for group in ("depth 1", "depth 2", "depth 3", "bonus (full chain)"))
+E2E_GREEDY = E2E + "::test_greedy_rows_stay_exact_beside_sampled_ones"
+
+
+@dataclasses.dataclass(frozen=True)
+class Mutant:
+    name: str
+    what: str
+    path: str
+    old: str
+    new: str
+    tests: tuple[str, ...]  # cheapest first: with -x the first failure ends the run
+
+
+MUTANTS = [
+    Mutant("depth_uses_first_q", "every draft judged against the first draft's q",
+           REFERENCE,
+           "q_at = jnp.take_along_axis(draft_probs, ids[..., None], axis=-1)[..., 0]",
+           "q_at = jnp.take_along_axis(jnp.broadcast_to(draft_probs[:, :1], draft_probs.shape),"
+           " ids[..., None], axis=-1)[..., 0]",
+           (KERNEL_DEPTHS, *E2E_DEPTHS)),
+    Mutant("correct_from_p", "the correction resampled from p instead of the residual",
+           REFERENCE,
+           "residual = jnp.where(has_mass, residual, p_row.astype(jnp.float32))",
+           "residual = p_row.astype(jnp.float32)",
+           (KERNEL_DEPTHS, *E2E_DEPTHS)),
+    Mutant("one_uniform_per_chain", "one acceptance uniform shared by every depth",
+           REFERENCE,
+           "positions = offsets[:, None] + jnp.arange(D)",
+           "positions = offsets[:, None] + 0 * jnp.arange(D)",
+           (KERNEL_DEPTHS, *E2E_DEPTHS)),
+    Mutant("accept_q_over_p", "accept with probability min(1, q/p)",
+           REFERENCE,
+           "accept = (u * q_at < p_at)",
+           "accept = (u * p_at < q_at)",
+           (KERNEL_DEPTHS, *E2E_DEPTHS)),
+    Mutant("zero_mass_to_id_0", "a residual without mass draws id 0 instead of falling back to p",
+           REFERENCE,
+           "residual = jnp.where(has_mass, residual, p_row.astype(jnp.float32))",
+           "residual = jnp.where(has_mass, residual, 0.0)",
+           (KERNEL_ZERO_MASS,)),
+    Mutant("target_ignores_temperature", "target probabilities not filtered by the temperature",
+           "specjax/core/accept.py",
+           "filtered = filter_logits(logits.reshape(B * W, V), rep(batch.temperature),",
+           "filtered = filter_logits(logits.reshape(B * W, V), rep(jnp.ones_like("
+           "batch.temperature)),",
+           E2E_DEPTHS),
+    Mutant("q_unfiltered", "draft q reported without the filtering its drafts were drawn with",
+           "specjax/core/sampling.py",
+           "                jax.nn.softmax(filtered, axis=-1))",
+           "                jax.nn.softmax(logits.astype(jnp.float32), axis=-1))",
+           E2E_DEPTHS),
+    Mutant("greedy_rows_rejection_sampled", "greedy rows go through rejection sampling too",
+           "specjax/core/accept.py",
+           "sampled = batch.temperature > 0",
+           "sampled = batch.temperature >= 0",
+           (E2E_GREEDY,)),
+]
+
+
+def scratch_copy(dest: Path) -> Path:
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", ".pytest_cache")
+    for name in ("specjax", "pallas_kernels", "tests"):
+        shutil.copytree(ROOT / name, dest / name, ignore=ignore)
+    shutil.copy(ROOT / "pyproject.toml", dest / "pyproject.toml")
+    (dest / "checkpoints").symlink_to(ROOT / "checkpoints")
+    return dest
+
+
+def apply(mutant: Mutant, root: Path) -> None:
+    path = root / mutant.path
+    text = path.read_text()
+    if text.count(mutant.old) != 1:
+        raise RuntimeError(f"{mutant.name}: the text to mutate occurs {text.count(mutant.old)} "
+                           f"times in {mutant.path}; update the mutant")
+    path.write_text(text.replace(mutant.old, mutant.new))
+
+
+def _env(root: Path) -> dict:
+    return {**os.environ, "PYTHONPATH": str(root), "PYTHONDONTWRITEBYTECODE": "1"}
+
+
+def check_imports_from(root: Path) -> None:
+    """The child must import the copy, not the installed checkout."""
+    out = subprocess.run([sys.executable, "-c", "import specjax, pallas_kernels; "
+                          "print(specjax.__file__); print(pallas_kernels.__file__)"],
+                         cwd=root, env=_env(root), capture_output=True, text=True, check=True)
+    for line in out.stdout.split():
+        if not Path(line).resolve().is_relative_to(root.resolve()):
+            raise RuntimeError(f"the scratch copy imports {line}, not its own code")
+
+
+@dataclasses.dataclass
+class Outcome:
+    caught: bool
+    failed: list[str]
+    seconds: float
+    tail: str
+
+
+def run_tests(root: Path, tests: tuple[str, ...], stop_at_first: bool = True) -> Outcome:
+    start = time.perf_counter()
+    cmd = [sys.executable, "-m", "pytest", "-q", "-rf", "-p", "no:cacheprovider", *tests]
+    if stop_at_first:
+        cmd.insert(4, "-x")
+    out = subprocess.run(cmd, cwd=root, env=_env(root), capture_output=True, text=True)
+    text = out.stdout + out.stderr
+    failed = re.findall(r"^FAILED ([^\s\[]+(?:\[[^\]]*\])?)", text, flags=re.M)
+    # Exit code 1 with test failures is a catch; collection errors or crashes (2, 3, 4) are not.
+    return Outcome(out.returncode == 1 and bool(failed), failed, time.perf_counter() - start,
+                   text[-3000:])
+
+
+def run_mutant(mutant: Mutant, stop_at_first: bool = True, workdir: Path | None = None
+               ) -> Outcome:
+    with tempfile.TemporaryDirectory(dir=workdir) as tmp:
+        root = scratch_copy(Path(tmp) / "repo")
+        apply(mutant, root)
+        check_imports_from(root)
+        return run_tests(root, mutant.tests, stop_at_first)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("names", nargs="*", help="mutants to run (default: all)")
+    parser.add_argument("--report", action="store_true",
+                        help="run every test of each mutant (no -x) and list the failures")
+    args = parser.parse_args(argv)
+    chosen = [m for m in MUTANTS if not args.names or m.name in args.names]
+    survivors = 0
+    for m in chosen:
+        outcome = run_mutant(m, stop_at_first=not args.report)
+        survivors += not outcome.caught
+        status = "caught" if outcome.caught else "SURVIVED"
+        print(f"{m.name:<32} {status:<9} {outcome.seconds:6.0f} s  {m.what}")
+        for test in outcome.failed:
+            print(f"{'':<34}failed: {test}")
+        if not outcome.caught:
+            print(outcome.tail)
+    print(f"{len(chosen) - survivors}/{len(chosen)} mutants caught")
+    return 1 if survivors else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
