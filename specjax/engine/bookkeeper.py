@@ -8,6 +8,9 @@ and the acceptance gate -- in the order that keeps them right:
     rewind_len          = verified_len - num_accepted         # rejected positions to give back
     then give back the rest of the reservation, and only then replace the request's drafts
     with next_draft_tokens[:runtime draft length].
+
+Statistics count a row's drafts only when it verified some (padding never does); such a row
+also lands in `EngineStats`' histograms at (num_drafts_verified, num_accepted).
 """
 from __future__ import annotations
 
@@ -86,6 +89,7 @@ class Bookkeeper:
             stats.num_accepted_draft_tokens += num_accepted
             if num_drafts_verified > 0:
                 stats.num_steps_with_drafts += 1
+                self.stats.record_request_step(num_drafts_verified, num_accepted)
                 with_drafts += 1
                 accepted_sum += num_accepted
                 drafted_sum += num_drafts_verified

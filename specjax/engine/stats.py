@@ -6,6 +6,24 @@ import dataclasses
 
 @dataclasses.dataclass
 class EngineStats:
+    """Running totals over every generation step since the engine started.
+
+    Two histograms give the acceptance-length distribution, over request-steps that verified
+    at least one draft (a request-step: one request's row in one generation step):
+
+    - `verified_histogram[d]`: request-steps that verified exactly `d` drafts (`d >= 1`; index
+      0 stays 0). Rows verify fewer than the step's draft length when their drafter proposed
+      fewer or the request's length limit cut them; the last nonzero index is the deepest
+      draft any row verified.
+    - `accepted_histogram[a]`: request-steps that accepted exactly `a` of their drafts
+      (`a >= 0`); each such step emitted `a + 1` tokens.
+
+    Both lists grow as needed, so they are as long as the largest count seen plus one (empty
+    until a draft is verified). Their sums equal `request_steps_with_drafts`;
+    `sum(d * n)` over `verified_histogram` equals `drafted_tokens` and over
+    `accepted_histogram` equals `accepted_draft_tokens`.
+    """
+
     num_generated_tokens: int = 0
     spec_steps: int = 0               # generation steps that verified at least one draft
     request_steps_with_drafts: int = 0
@@ -15,6 +33,14 @@ class EngineStats:
     step_time: float = 0.0
     num_preemptions: int = 0          # requests sent back to the queue to free KV blocks
     num_failed_requests: int = 0      # finished with "error" (their own fault, or the device)
+    verified_histogram: list[int] = dataclasses.field(default_factory=list)
+    accepted_histogram: list[int] = dataclasses.field(default_factory=list)
+
+    def record_request_step(self, verified: int, accepted: int) -> None:
+        """One request's row of a generation step that verified `verified >= 1` drafts and
+        accepted `accepted` of them (rows without drafts are not recorded)."""
+        _bump(self.verified_histogram, verified)
+        _bump(self.accepted_histogram, accepted)
 
     def record_step(self, with_drafts: int, accepted: int, drafted: int) -> None:
         if with_drafts:
@@ -36,3 +62,9 @@ class EngineStats:
     @property
     def draft_overhead(self) -> float | None:
         return self.draft_time / self.step_time if self.step_time else None
+
+
+def _bump(histogram: list[int], index: int) -> None:
+    if index >= len(histogram):
+        histogram.extend([0] * (index + 1 - len(histogram)))
+    histogram[index] += 1

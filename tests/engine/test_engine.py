@@ -1,10 +1,13 @@
 """The host loop: exact greedy output, continuous batching, admission, preemption, cancel."""
 import pytest
+from flax import nnx
 
 import specjax
 from specjax import SamplingParams
 from specjax.engine.compile_counter import count_compilations
+from specjax.models import Llama
 from specjax.models.dense_greedy import dense_greedy
+from tests.conftest import TINY
 
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21], [7],
            [9, 9, 9, 9, 9], [3, 3], [60, 1, 60, 2, 60]]
@@ -68,11 +71,26 @@ def test_seeded_request_is_batch_invariant(tiny_llm):
     assert other_seed.token_ids != alone
 
 
-def test_stop_token_ids_and_eos(tiny_llm, references):
+def test_stop_token_ids_and_eos(tiny_model, tiny_llm, references):
     ref = references[tuple(PROMPTS[0])]
     stop = ref[4]
     out = tiny_llm.generate(PROMPTS[0], SamplingParams(max_tokens=12, stop_token_ids=(stop,)))[0]
     assert out.token_ids == ref[:ref.index(stop) + 1] and out.finish_reason == "stop"
+    # The same weights with that token as the model's EOS: greedy decoding ends on it, unless
+    # the request ignores EOS; the other row never emits it and runs to its length.
+    eos_model = Llama(TINY.replace(eos_token_id=stop), rngs=nnx.Rngs(0))
+    nnx.update(eos_model, nnx.state(tiny_model))
+    llm = specjax.LLM(eos_model, max_batch_size=2, tokens_per_block=4, prefill_chunk=8,
+                      progress=False)
+    other = references[tuple(PROMPTS[2])]
+    assert stop not in other
+    outs = llm.generate([PROMPTS[0], PROMPTS[0], PROMPTS[2]],
+                        [SamplingParams(max_tokens=12),
+                         SamplingParams(max_tokens=12, ignore_eos=True),
+                         SamplingParams(max_tokens=12)])
+    assert [(o.token_ids, o.finish_reason) for o in outs] == [
+        (ref[:ref.index(stop) + 1], "stop"), (ref, "length"), (other, "length")]
+    assert llm.engine.allocator.num_free_blocks == llm.engine.allocator.total_blocks
 
 
 def test_cancel_frees_blocks(tiny_llm):
@@ -153,12 +171,13 @@ def test_invalid_requests_rejected_before_work(small_pool_llm, prompt, params, m
     assert not engine.has_unfinished()  # the valid prompt was not started either
 
 
-def test_plain_overlap_on_and_off_agree(tiny_model, tiny_llm):
+def test_plain_overlap_on_and_off_agree(tiny_model, tiny_llm, references):
     """Plain decoding dispatches step N+1 before reading step N; stop conditions, sampling and
     the KV ledger must come out exactly as with synchronous steps."""
+    stop = references[tuple(PROMPTS[3])][2]  # it ends mid-batch, with its next step in flight
     mixed = [SamplingParams(max_tokens=12), SamplingParams(max_tokens=3),
              SamplingParams(max_tokens=12, temperature=0.9, top_k=7, seed=5),
-             SamplingParams(max_tokens=12, stop_token_ids=(PROMPTS[3][0],)),
+             SamplingParams(max_tokens=12, stop_token_ids=(stop,)),
              SamplingParams(max_tokens=1), SamplingParams(max_tokens=7)]
     engine = tiny_llm.engine
     assert engine.overlap
@@ -171,6 +190,8 @@ def test_plain_overlap_on_and_off_agree(tiny_model, tiny_llm):
                        max_prefill_rows=2, num_kv_blocks=80, overlap_scheduler=False,
                        progress=False)
     assert not sync.engine.overlap
-    ahead = [o.token_ids for o in tiny_llm.generate(PROMPTS, mixed)]
-    assert ahead == [o.token_ids for o in sync.generate(PROMPTS, mixed)]
+    ahead = [(o.token_ids, o.finish_reason) for o in tiny_llm.generate(PROMPTS, mixed)]
+    assert ahead == [(o.token_ids, o.finish_reason) for o in sync.generate(PROMPTS, mixed)]
+    ref = references[tuple(PROMPTS[3])]
+    assert ahead[3] == (ref[:ref.index(stop) + 1], "stop")
     assert engine.allocator.num_free_blocks == engine.allocator.total_blocks

@@ -21,6 +21,7 @@ from hypothesis.stateful import (RuleBasedStateMachine, invariant, precondition,
 import specjax
 from specjax import SamplingParams
 from specjax.engine.request import Status
+from tests.spec_checks import assert_mixed_acceptance
 
 MAX_LEN = 40
 TIGHT = dict(max_batch_size=4, tokens_per_block=4, prefill_chunk=8, max_prefill_rows=2,
@@ -140,3 +141,4 @@ def test_tiny_pool_scheduling_is_exact_and_leak_free(tiny_model, speculation):
     assert totals.preemptions >= 20 and totals.cancelled_running >= 3, totals
     if speculation:
         assert 0 < totals.accepted < totals.drafted, totals
+        assert_mixed_acceptance(engine.stats, NGRAM["max_draft_len"])

@@ -5,6 +5,7 @@ import specjax
 from specjax import (DraftTargetConfig, EagleConfig, MTPConfig, NGramConfig, SamplingParams,
                      UserProvidedConfig)
 from specjax.models.registry import CHECKPOINTS_DIR
+from tests.spec_checks import assert_mixed_acceptance
 
 PROMPTS = ["def fibonacci(n):", "import os\n\n\ndef read_config(path):\n", "class Stack:\n"]
 PARAMS = SamplingParams(max_tokens=32)
@@ -38,4 +39,5 @@ def test_bundled_greedy_equivalence(plain, config):
     llm = specjax.LLM("bundled", speculative_config=config, **SIZES)
     assert [o.token_ids for o in llm.generate(PROMPTS, PARAMS)] == plain
     assert llm.stats.acceptance_length is not None and llm.stats.acceptance_length > 1.0
+    assert_mixed_acceptance(llm.stats, config.max_draft_len)
     assert llm.engine.allocator.num_free_blocks == llm.engine.allocator.total_blocks

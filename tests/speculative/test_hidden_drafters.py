@@ -3,7 +3,7 @@ acceptance, drafts equal to a dense reference, clear errors, SAVE_HIDDEN_STATES 
 
 The target is a tiny 8-layer Llama whose greedy next token is mostly a fixed permutation of
 the current one (its layers perturb that, depending on context), so heads built by hand to
-know the permutation get drafts both accepted and rejected.
+know the permutation get drafts both accepted and rejected (`perm_models`).
 """
 import jax.numpy as jnp
 import numpy as np
@@ -21,79 +21,24 @@ from specjax.speculative.config import EagleConfig, MTPConfig, SaveHiddenStatesC
 from specjax.models.eagle3_head import Eagle3Head, Eagle3HeadConfig
 from specjax.models.mtp_head import MTPHeads
 from tests.conftest import TINY
+from tests.spec_checks import assert_mixed_acceptance
+from tests.speculative import perm_models
+from tests.speculative.perm_models import CFG, LAYERS, eagle_head, mtp_heads
 
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21], [7],
            [9, 9, 9, 9, 9], [33, 2]]
 MAX_TOKENS = 24
-CFG = TINY.replace(num_layers=8, tie_word_embeddings=False)
-LAYERS = (1, 3, 4)  # EAGLE-3's default for 8 layers
-
-
-def _unit_rows(x):
-    return x / np.sqrt((x ** 2).mean(-1, keepdims=True))
 
 
 @pytest.fixture(scope="module")
 def perm_target():
-    """(target, perm): greedy next token = perm[current] about 80% of the time."""
-    model = Llama(CFG, rngs=nnx.Rngs(0))
-    perm = np.random.default_rng(0).permutation(CFG.vocab_size)
-    unit = _unit_rows(np.asarray(model.embed[...]))
-    head = np.zeros((CFG.hidden_size, CFG.vocab_size), np.float32)
-    head[:, perm] = unit.T
-    model.lm_head.value = jnp.asarray(head)
-    model.layers["o_proj"].value = model.layers["o_proj"][...] * 1.3
-    model.layers["down_proj"].value = model.layers["down_proj"][...] * 1.3
-    return model, perm
+    return perm_models.perm_target()
 
 
 @pytest.fixture(scope="module")
 def refs(perm_target):
     model, _ = perm_target
     return {tuple(p): dense_greedy(model, p, MAX_TOKENS) for p in PROMPTS}
-
-
-def eagle_head(target, perm, seed=1):
-    """fc keeps the lowest captured layer (about the current token's embedding), the midlayer
-    adds nothing, lm_head predicts perm(perm(token)): right for draft 1 whenever the target
-    follows the permutation, and the draft vocabulary drops 8 ids through d2t."""
-    head = Eagle3Head(Eagle3HeadConfig.for_target(CFG, draft_vocab_size=CFG.vocab_size - 8),
-                      nnx.Rngs(seed))
-    H, Vd = CFG.hidden_size, CFG.vocab_size - 8
-    fc = np.zeros((3 * H, H), np.float32)
-    fc[:H] = np.eye(H)
-    head.fc.value = jnp.asarray(fc)
-    head.midlayer["o_proj"].value = jnp.zeros_like(head.midlayer["o_proj"][...])
-    head.midlayer["down_proj"].value = jnp.zeros_like(head.midlayer["down_proj"][...])
-    # Draft vocabulary: every target id except 8 (sorted), d2t = target id - draft id.
-    dropped = set(perm[perm[np.arange(8)]].tolist())
-    kept = np.asarray([t for t in range(CFG.vocab_size) if t not in dropped])
-    head.d2t.value = jnp.asarray(kept - np.arange(Vd), jnp.int32)
-    head.t2d.value = jnp.asarray(np.isin(np.arange(CFG.vocab_size), kept))
-    unit = _unit_rows(np.asarray(target.embed[...]))
-    lm = np.zeros((H, Vd), np.float32)
-    where = {t: d for d, t in enumerate(kept)}
-    for token in range(CFG.vocab_size):
-        target_id = perm[perm[token]]
-        if target_id in where:
-            lm[:, where[target_id]] = unit[token]
-    head.lm_head.value = jnp.asarray(lm)
-    return head
-
-
-def mtp_heads(num_modules, seed=2):
-    """Each module passes the embedded token through (eh_proj = [I; 0], the block adds
-    nothing), so with the target's lm_head it predicts perm(token): exact for the target's
-    permutation part."""
-    heads = MTPHeads(CFG, num_modules, nnx.Rngs(seed))
-    H = CFG.hidden_size
-    for module in heads.modules:
-        eh = np.zeros((2 * H, H), np.float32)
-        eh[:H] = np.eye(H)
-        module.eh_proj.value = jnp.asarray(eh)
-        module.block["o_proj"].value = jnp.zeros_like(module.block["o_proj"][...])
-        module.block["down_proj"].value = jnp.zeros_like(module.block["down_proj"][...])
-    return heads
 
 
 MODES = {
@@ -125,9 +70,8 @@ def test_greedy_output_equals_plain_decoding(perm_target, refs, mode, max_batch_
         assert compiled() == 0  # warm-up compiled every shape serving uses
     for prompt, out in zip(PROMPTS, outs):
         assert out.token_ids == refs[tuple(prompt)], (mode, prompt)
-    stats = llm.stats
-    # Drafts were both accepted and rejected, so both paths of every worker ran.
-    assert 0 < stats.accepted_draft_tokens < stats.drafted_tokens, stats
+    # Drafts were both accepted and rejected, at full depth, so every path of the worker ran.
+    assert_mixed_acceptance(llm.stats, 3)
     assert _full_pool(llm)
 
 
@@ -141,6 +85,7 @@ def test_mtp_acceptance_is_exactly_the_oracle_count(perm_target, refs, mode):
     llm = _llm(target, MODES[mode](target, perm, D))
     llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS))
     accepted = drafted = 0
+    verified_hist, accepted_hist = np.zeros(D + 1, int), np.zeros(D + 1, int)
     for prompt in PROMPTS:
         ref = refs[tuple(prompt)]
         # The prompt step emits one token; chain drafters (MTP-Eagle) also draft after it,
@@ -156,10 +101,17 @@ def test_mtp_acceptance_is_exactly_the_oracle_count(perm_target, refs, mode):
                     break
                 n += 1
             accepted, drafted = accepted + n, drafted + d
+            if d:
+                verified_hist[d] += 1
+                accepted_hist[n] += 1
             generated += n + 1
             first = False
-    assert (llm.stats.accepted_draft_tokens, llm.stats.drafted_tokens) == (accepted, drafted)
-    assert accepted > 0
+    stats = llm.stats
+    assert (stats.accepted_draft_tokens, stats.drafted_tokens) == (accepted, drafted)
+    # The acceptance-length distribution, step by step, not only its sum.
+    assert stats.verified_histogram == np.trim_zeros(verified_hist, "b").tolist()
+    assert stats.accepted_histogram == np.trim_zeros(accepted_hist, "b").tolist()
+    assert_mixed_acceptance(stats, D)
 
 
 def test_eagle3_drafts_equal_a_dense_reference(perm_target):
@@ -215,6 +167,7 @@ def test_rejection_sampling_mode_keeps_greedy_rows_exact(perm_target, refs):
         assert all(0 <= t < CFG.vocab_size for t in out.token_ids)
         if p.temperature == 0:
             assert out.token_ids == refs[tuple(prompt)]
+    assert_mixed_acceptance(llm.stats, 3)
     assert _full_pool(llm)
 
 

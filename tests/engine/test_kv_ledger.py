@@ -1,0 +1,101 @@
+"""The KV ledger with in-step drafters and the overlap scheduler: a pool small enough to
+preempt, random arrivals, cancellations of requests whose next step is on the device, and
+drafts both accepted and rejected. No block is lost or held twice, every running request's
+logical length is exactly what its computed tokens and its unread step account for, and the
+output stays exactly greedy.
+
+(`test_spec_engine.test_randomized_kv_ledger` does the same for a host drafter, whose steps
+never overlap.)
+"""
+import numpy as np
+import pytest
+
+import specjax
+from specjax import DraftTargetConfig, EagleConfig, MTPConfig, SamplingParams
+from specjax.models.dense_greedy import dense_greedy
+from tests.spec_checks import assert_mixed_acceptance, truncated_copy
+from tests.speculative import perm_models
+
+D = 3
+MAX_LEN = 40
+STEPS = 200
+PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21], [7],
+           [9, 9, 9, 9, 9], [33, 2]]
+
+
+@pytest.fixture(scope="module")
+def perm():
+    return perm_models.perm_target()
+
+
+SETUPS = {
+    "draft_target": lambda tiny, target, perm: (tiny, DraftTargetConfig(
+        max_draft_len=D, speculative_model=truncated_copy(tiny, 1))),
+    "eagle3": lambda tiny, target, perm: (target, EagleConfig(
+        max_draft_len=D, speculative_model=perm_models.eagle_head(target, perm))),
+    "mtp": lambda tiny, target, perm: (target, MTPConfig(
+        max_draft_len=D, num_nextn_predict_layers=3, speculative_model=perm_models.mtp_heads(3))),
+}
+
+
+def _check_ledger(engine) -> bool:
+    """Assert the ledger adds up now; returns whether some running request holds the
+    reservation of a step that is still unread."""
+    alloc, inflight = engine.allocator, engine.executor.inflight
+    assert alloc.num_free_blocks + alloc.num_held_blocks == alloc.total_blocks
+    assert alloc.num_held_blocks == sum(len(alloc.blocks(r.request_id)) for r in engine.running)
+    assert all(r.request_id not in alloc for r in engine.waiting)
+    unread_rows = False
+    for r in engine.running:
+        # Settled steps leave the computed tokens; a step on the device also holds what it
+        # may write past the newest token, until it is read (bookkeeper._give_back).
+        unread = inflight is not None and r.latest_step == inflight.step_id
+        held = r.num_computed + (r.latest_reserve if unread else 0)
+        assert alloc.length(r.request_id) == held, (r.request_id, r.num_computed, unread)
+        unread_rows |= unread
+    return unread_rows
+
+
+@pytest.mark.parametrize("setup", list(SETUPS))
+def test_randomized_kv_ledger_with_overlap(setup, tiny_model, perm):
+    target, spec = SETUPS[setup](tiny_model, *perm)
+    refs = {tuple(p): dense_greedy(target, p, MAX_LEN - len(p)) for p in PROMPTS}
+    # 15 usable blocks of 4 tokens; one request may need 12 (40 tokens + 2D reserved).
+    llm = specjax.LLM(target, speculative_config=spec, max_batch_size=4, tokens_per_block=4,
+                      prefill_chunk=8, num_kv_blocks=16, max_model_len=MAX_LEN, progress=False)
+    engine = llm.engine
+    assert engine._overlaps(D)
+    rng = np.random.default_rng(0)
+    expected, finished = {}, {}
+    cancelled_in_flight = steps_with_unread_rows = 0
+    for _ in range(STEPS):
+        if rng.random() < 0.3 and len(expected) < 40:
+            prompt = PROMPTS[int(rng.integers(len(PROMPTS)))]
+            n = int(rng.integers(1, MAX_LEN - len(prompt) + 1))
+            expected[engine.add_request(prompt, SamplingParams(max_tokens=n))] = \
+                refs[tuple(prompt)][:n]
+        inflight = engine.executor.inflight
+        if rng.random() < 0.06 and engine.running:
+            # Cancel a request whose next step is on the device when there is one.
+            on_device = [r for r in engine.running
+                         if inflight is not None and r.latest_step == inflight.step_id]
+            pool = on_device or engine.running
+            victim = pool[int(rng.integers(len(pool)))]
+            cancelled_in_flight += bool(on_device)
+            engine.abort(victim.request_id)
+            expected.pop(victim.request_id)
+        finished.update({o.request_id: o for o in engine.step() if o.finished})
+        steps_with_unread_rows += _check_ledger(engine)
+    while engine.has_unfinished():
+        finished.update({o.request_id: o for o in engine.step() if o.finished})
+        _check_ledger(engine)
+    for rid, ref in expected.items():
+        assert (finished[rid].token_ids, finished[rid].finish_reason) == (ref, "length"), rid
+    alloc = engine.allocator
+    assert alloc.num_free_blocks == alloc.total_blocks
+    # What the test is for did happen: overlapped steps, preemption, cancellations of rows
+    # on the device, drafts accepted and rejected at full depth.
+    assert steps_with_unread_rows > STEPS // 2
+    assert llm.stats.num_preemptions > 0
+    assert cancelled_in_flight > 0
+    assert_mixed_acceptance(llm.stats, D)

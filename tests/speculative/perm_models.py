@@ -1,0 +1,78 @@
+"""A target whose greedy next token is mostly a fixed permutation of the current one, and
+EAGLE-3 / MTP heads built by hand to know that permutation: drafts both accepted and
+rejected, with no training.
+
+The target is a tiny 8-layer Llama; its layers perturb the permutation depending on context,
+which is where the heads' drafts go wrong.
+"""
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from specjax.models import Llama
+from specjax.models.eagle3_head import Eagle3Head, Eagle3HeadConfig
+from specjax.models.mtp_head import MTPHeads
+from tests.conftest import TINY
+
+CFG = TINY.replace(num_layers=8, tie_word_embeddings=False)
+LAYERS = (1, 3, 4)  # EAGLE-3's default for 8 layers
+
+
+def _unit_rows(x):
+    return x / np.sqrt((x ** 2).mean(-1, keepdims=True))
+
+
+def perm_target() -> tuple[Llama, np.ndarray]:
+    """(target, perm): greedy next token = perm[current] about 80% of the time."""
+    model = Llama(CFG, rngs=nnx.Rngs(0))
+    perm = np.random.default_rng(0).permutation(CFG.vocab_size)
+    unit = _unit_rows(np.asarray(model.embed[...]))
+    head = np.zeros((CFG.hidden_size, CFG.vocab_size), np.float32)
+    head[:, perm] = unit.T
+    model.lm_head.value = jnp.asarray(head)
+    model.layers["o_proj"].value = model.layers["o_proj"][...] * 1.3
+    model.layers["down_proj"].value = model.layers["down_proj"][...] * 1.3
+    return model, perm
+
+
+def eagle_head(target, perm, seed=1):
+    """fc keeps the lowest captured layer (about the current token's embedding), the midlayer
+    adds nothing, lm_head predicts perm(perm(token)): right for draft 1 whenever the target
+    follows the permutation, and the draft vocabulary drops 8 ids through d2t."""
+    head = Eagle3Head(Eagle3HeadConfig.for_target(CFG, draft_vocab_size=CFG.vocab_size - 8),
+                      nnx.Rngs(seed))
+    H, Vd = CFG.hidden_size, CFG.vocab_size - 8
+    fc = np.zeros((3 * H, H), np.float32)
+    fc[:H] = np.eye(H)
+    head.fc.value = jnp.asarray(fc)
+    head.midlayer["o_proj"].value = jnp.zeros_like(head.midlayer["o_proj"][...])
+    head.midlayer["down_proj"].value = jnp.zeros_like(head.midlayer["down_proj"][...])
+    # Draft vocabulary: every target id except 8 (sorted), d2t = target id - draft id.
+    dropped = set(perm[perm[np.arange(8)]].tolist())
+    kept = np.asarray([t for t in range(CFG.vocab_size) if t not in dropped])
+    head.d2t.value = jnp.asarray(kept - np.arange(Vd), jnp.int32)
+    head.t2d.value = jnp.asarray(np.isin(np.arange(CFG.vocab_size), kept))
+    unit = _unit_rows(np.asarray(target.embed[...]))
+    lm = np.zeros((H, Vd), np.float32)
+    where = {t: d for d, t in enumerate(kept)}
+    for token in range(CFG.vocab_size):
+        target_id = perm[perm[token]]
+        if target_id in where:
+            lm[:, where[target_id]] = unit[token]
+    head.lm_head.value = jnp.asarray(lm)
+    return head
+
+
+def mtp_heads(num_modules, seed=2):
+    """Each module passes the embedded token through (eh_proj = [I; 0], the block adds
+    nothing), so with the target's lm_head it predicts perm(token): exact for the target's
+    permutation part."""
+    heads = MTPHeads(CFG, num_modules, nnx.Rngs(seed))
+    H = CFG.hidden_size
+    for module in heads.modules:
+        eh = np.zeros((2 * H, H), np.float32)
+        eh[:H] = np.eye(H)
+        module.eh_proj.value = jnp.asarray(eh)
+        module.block["o_proj"].value = jnp.zeros_like(module.block["o_proj"][...])
+        module.block["down_proj"].value = jnp.zeros_like(module.block["down_proj"][...])
+    return heads
