@@ -1,10 +1,13 @@
 """Speculative decoding: acceptance and speed per method against plain decoding, in one run.
 
-For each method: acceptance length (AL), acceptance rate, tokens/s end to end and after the
-first token (decode), speedups over plain decoding measured side by side in the same run (runs
-alternate; best of --repeats each), and efficiency = speedup / (AL x t1 / t_{D+1}), where t1 and
-t_{D+1} are the target's measured verify-step times for 1 and D+1 query tokens at batch 1
-(1.0 means the drafter costs nothing and the host adds nothing).
+For each method: acceptance length (AL, over steps that verified drafts), tokens per generation
+step (over every step after the prefill, with or without drafts), acceptance rate, tokens/s end
+to end and after the first token (decode), speedups over plain decoding measured side by side
+in the same run (runs alternate; the fastest of --repeats each), efficiency = decode speedup /
+(tokens per generation step x t1 / t_{D+1}), where t1 and t_{D+1} are the target's measured
+verify-step times for 1 and D+1 query tokens at batch 1, at the same position with the same
+context (1.0 means the drafter costs nothing and the host adds nothing), and whether every run
+of every method gave plain decoding's tokens.
 """
 from __future__ import annotations
 
@@ -15,7 +18,7 @@ from pathlib import Path
 
 import jax
 
-from specjax.bench.timing import time_generation_step
+from specjax.bench.timing import time_generation_steps
 from specjax.llm import LLM
 from specjax.models.registry import resolve_model_path
 from specjax.sampling_params import SamplingParams
@@ -75,7 +78,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--batch-size", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=3,
-                        help="runs per method, alternating with plain decoding; best kept")
+                        help="runs per method, alternating with plain decoding; the fastest is "
+                             "kept for speed, every run is checked for exactness")
     parser.add_argument("--humaneval", type=int, default=20, metavar="N",
                         help="add the first N HumanEval prompts as a category (0: none)")
     parser.add_argument("--categories", default=None,
@@ -95,12 +99,39 @@ def decode_rate(outs) -> float:
     return sum(len(o.token_ids) - 1 for o in outs) / seconds
 
 
+def acceptance(outs) -> dict[str, float]:
+    """Acceptance figures summed over `outs`.
+
+    al: tokens per target step over the steps that verified at least one draft (accepted
+        drafts + the target's own token, / those steps).
+    per_step: output tokens after the first / generation steps. The first token comes from the
+        prompt's prefill step, which `RequestStats.decoding_iterations` counts too, so both
+        leave it out: every later target step counts, with or without drafts (a step without
+        drafts gives 1 token). Exact without preemption (a readmitted request's prefill gives
+        a token and an iteration again); `preemptions` says how many there were.
+    no_drafts: the share of generation steps that verified no draft."""
+    with_drafts = sum(o.stats.num_steps_with_drafts for o in outs)
+    accepted = sum(o.stats.num_accepted_draft_tokens for o in outs)
+    steps = sum(o.stats.decoding_iterations - 1 for o in outs)
+    tokens = sum(o.stats.num_generated_tokens - 1 for o in outs)
+    return dict(al=(accepted + with_drafts) / max(with_drafts, 1),
+                per_step=tokens / max(steps, 1),
+                rate=accepted / max(sum(o.stats.num_draft_tokens for o in outs), 1),
+                no_drafts=1 - with_drafts / max(steps, 1),
+                preemptions=sum(o.stats.num_preemptions for o in outs))
+
+
 def _run(llm: LLM, prompts: list[str], params: SamplingParams, batch_size: int):
     """Generate every prompt (batch_size at a time); returns (outputs, seconds)."""
     outs, start = [], time.perf_counter()
     for i in range(0, len(prompts), batch_size):
         outs += llm.generate(prompts[i:i + batch_size], params)
     return outs, time.perf_counter() - start
+
+
+def _differing(outs, reference) -> list[int]:
+    """Indices of the prompts whose tokens differ from the reference run's."""
+    return [i for i, (a, b) in enumerate(zip(outs, reference)) if a.token_ids != b.token_ids]
 
 
 def run(args: argparse.Namespace) -> None:
@@ -124,52 +155,82 @@ def run(args: argparse.Namespace) -> None:
           f"x {args.max_tokens} tokens, greedy, jax {jax.__version__} "
           f"on {jax.devices()[0].platform}")
     # Machine noise on a shared CPU moves whole runs by 20%: each method alternates with
-    # plain decoding `--repeats` times, and each side keeps its best run.
-    best = lambda runs: min(runs, key=lambda r: r[1])
-    base_outs, base_time = best([_run(plain, prompts, params, args.batch_size)
-                                 for _ in range(args.repeats)])
-    base_tps = sum(len(o.token_ids) for o in base_outs) / base_time
-    base_decode = decode_rate(base_outs)
-    print(f"\n{'method':<40} {'AL':>5} {'accept':>7} {'tok/s':>7} {'speedup':>8} "
-          f"{'decode':>7} {'speedup':>8} {'t(D+1)/t1':>9} {'effic.':>7} {'exact':>6}  "
-          "AL by category")
-    print(f"{'plain decoding':<40} {'1.00':>5} {'-':>7} {base_tps:>7.1f} {'1.00x':>8} "
-          f"{base_decode:>7.1f} {'1.00x':>8}")
+    # plain decoding `--repeats` times, and each side keeps its fastest run for speed.
+    # Exactness and acceptance are taken over every run, not just the fastest.
+    base_runs = [_run(plain, prompts, params, args.batch_size) for _ in range(args.repeats)]
+    reference = base_runs[0][0]  # every other run, plain or speculative, is checked against it
+    plain_runs = list(base_runs[1:])
+    base_time = min(s for _, s in base_runs)
+    base_tps = sum(len(o.token_ids) for o in reference) / base_time
+    base_decode = max(decode_rate(o) for o, _ in base_runs)
+    # The verify steps are timed in the middle of the generated span: the mean prompt length
+    # (BOS included) + max_tokens / 2, for 1 and D+1 query tokens alike.
+    position = round(sum(len(o.prompt_token_ids) for o in reference) / len(reference)
+                     + args.max_tokens / 2)
+    plain_acc = acceptance([o for outs, _ in base_runs for o in outs])
+    print(f"\n{'method':<42} {'AL':>5} {'tok/st':>6} {'nodraft':>7} {'accept':>7} {'tok/s':>7} "
+          f"{'speedup':>8} {'decode':>7} {'speedup':>8} {'tD+1/t1':>7} {'effic.':>7} "
+          f"{'exact':>6}  by category: AL / tokens per step")
+    print(f"{'plain decoding':<42} {'1.00':>5} {plain_acc['per_step']:>6.2f} {'-':>7} "
+          f"{'-':>7} {base_tps:>7.1f} {'1.00x':>8} {base_decode:>7.1f} {'1.00x':>8}", flush=True)
+    failures, preempted = [], plain_acc["preemptions"]
     for config in configs:
         D = config.max_draft_len
+        label = f"{config.mode.name.lower()} D={D}"
+        if getattr(config, "speculative_model", None) is not None:
+            label += f" ({Path(str(config.speculative_model)).name})"
         # A fresh engine per run: host drafters (the NGram pool) learn from earlier runs.
         # Its compiled steps are cached, so only the first one compiles.
         fresh = lambda: warm(LLM(str(path), speculative_config=config, **common))
         pairs = [(_run(plain, prompts, params, args.batch_size),
                   _run(llm := fresh(), prompts, params, args.batch_size))
                  for _ in range(args.repeats)]
-        (plain_outs, plain_time) = best([p for p, _ in pairs])
-        outs, seconds = best([r for _, r in pairs])
-        tps = sum(len(o.token_ids) for o in outs) / seconds
-        exact = all(a.token_ids == b.token_ids for a, b in zip(outs, base_outs))
-        steps = sum(o.stats.num_steps_with_drafts for o in outs)
-        accepted = sum(o.stats.num_accepted_draft_tokens for o in outs)
-        al = (accepted + steps) / max(steps, 1)
-        rate = accepted / max(sum(o.stats.num_draft_tokens for o in outs), 1)
-        t1, tD = (time_generation_step(llm.engine, 1, w, 64) for w in (1, D + 1))
-        speedup = seconds and plain_time / seconds
-        efficiency = speedup / (al * t1 / tD)
+        pairs_plain, runs = [p for p, _ in pairs], [r for _, r in pairs]
+        plain_runs += pairs_plain
+        exact = 0
+        for k, (outs, _) in enumerate(runs, 1):
+            bad = _differing(outs, reference)
+            exact += not bad
+            if bad:
+                failures.append(f"{label}, run {k} of {len(runs)}: prompts {bad} differ")
+        seconds = min(s for _, s in runs)
+        plain_time = min(s for _, s in pairs_plain)
+        tps = sum(len(o.token_ids) for o in runs[0][0]) / seconds
+        decode = max(decode_rate(o) for o, _ in runs)
+        decode_speedup = decode / max(decode_rate(o) for o, _ in pairs_plain)
+        acc = acceptance([o for outs, _ in runs for o in outs])
+        preempted += acc["preemptions"]
+        t1, tD = time_generation_steps(llm.engine, 1, [1, D + 1], position)
+        speedup = plain_time / seconds
+        efficiency = decode_speedup / (acc["per_step"] * t1 / tD)
         by_cat, k = [], 0
         for name, group in sets.items():
-            o = outs[k:k + len(group)]
+            c = acceptance([o for outs, _ in runs for o in outs[k:k + len(group)]])
             k += len(group)
-            steps = sum(x.stats.num_steps_with_drafts for x in o)
-            accepted = sum(x.stats.num_accepted_draft_tokens for x in o)
-            by_cat.append(f"{name} {(accepted + steps) / max(steps, 1):.2f}")
-        label = f"{config.mode.name.lower()} D={D}"
-        if getattr(config, "speculative_model", None) is not None:
-            label += f" ({Path(str(config.speculative_model)).name})"
-        decode = decode_rate(outs)
-        print(f"{label:<40} {al:>5.2f} {rate:>7.1%} {tps:>7.1f} {speedup:>7.2f}x "
-              f"{decode:>7.1f} {decode / decode_rate(plain_outs):>7.2f}x {tD / t1:>9.2f} {efficiency:>7.2f} "
-              f"{str(exact):>6}  {', '.join(by_cat)}")
-    print("\nAL = tokens per target step over steps with drafts; tok/s = end to end (prefill "
-          "included); decode = tokens/s after the first token (1/TPOT); exact = greedy output "
-          "equals plain decoding token for token.")
+            by_cat.append(f"{name} {c['al']:.2f} / {c['per_step']:.2f}")
+        print(f"{label:<42} {acc['al']:>5.2f} {acc['per_step']:>6.2f} {acc['no_drafts']:>7.1%} "
+              f"{acc['rate']:>7.1%} {tps:>7.1f} {speedup:>7.2f}x {decode:>7.1f} "
+              f"{decode_speedup:>7.2f}x {tD / t1:>7.2f} {efficiency:>7.2f} "
+              f"{f'{exact}/{len(runs)}':>6}  {', '.join(by_cat)}", flush=True)
+    plain_bad = [(k, _differing(o, reference)) for k, (o, _) in enumerate(plain_runs, 2)]
+    plain_exact = sum(not bad for _, bad in plain_bad)
+    failures += [f"plain decoding, run {k}: prompts {bad} differ from run 1"
+                 for k, bad in plain_bad if bad]
+    print(f"plain decoding: {plain_exact}/{len(plain_runs)} later runs gave the first run's "
+          "tokens")
+    print(f"\nAL = tokens per target step over the steps that verified drafts; tok/st = output "
+          f"tokens after the first / target steps after the prefill (with or without drafts); "
+          f"nodraft = share of those steps that verified no draft; accept = accepted / drafted "
+          f"tokens; all four summed over every run. tok/s = end to end (prefill included), "
+          f"decode = tokens/s after each request's first token (1/TPOT), both the fastest of "
+          f"{args.repeats} runs, speedups against the fastest of the plain runs alternating "
+          f"with that method. tD+1/t1 = the target's compiled verify step for D+1 tokens over "
+          f"that for 1, both at position {position} (mean prompt + max_tokens/2) with the same "
+          f"block tables; effic. = decode speedup / (tok/st x t1/tD+1). exact = runs whose "
+          f"greedy output equals plain decoding's (its first run) for every prompt.")
+    if preempted:
+        print(f"note: {preempted} preemption(s): tok/st counts their re-prefill steps too")
+    for line in failures:
+        print("NOT EXACT:", line)
     if args.config:
         print("configs:", json.dumps([c.to_dict() for c in configs]))

@@ -3,6 +3,7 @@ host loop adds on top of it, and what verifying D+1 tokens costs against 1."""
 from __future__ import annotations
 
 import time
+from typing import Sequence
 
 import jax
 import numpy as np
@@ -11,28 +12,71 @@ from specjax.core import Params, empty_batch, make_generation_step, set_row
 from specjax.engine.engine import Engine
 
 
-def time_generation_step(engine: Engine, batch_size: int, width: int, start_pos: int,
-                         iters: int = 20) -> float:
+def time_generation_steps(engine: Engine, batch_size: int, widths: Sequence[int],
+                          start_pos: int, iters: int = 20, rounds: int = 3) -> list[float]:
     """Seconds per back-to-back call of the target-only generation step (no drafter: a
-    `width` > 1 run verifies host-given drafts) for `batch_size` rows of `width` tokens at
-    `start_pos`, on the engine's own weights and pool (garbage context is fine for timing)."""
+    width > 1 run verifies host-given drafts) for `batch_size` rows of each of `widths` tokens,
+    on the engine's own weights and pool (garbage context is fine for timing).
+
+    Every width is timed at the same mean position `start_pos` with the same block tables, so
+    the widths differ in their query tokens alone. A width-1 step (plain decoding) takes its
+    run from slot state (`runs_on_device`) and moves one position per call, as the engine's
+    does: its rows' slots are set before each round so that the round's calls centre on
+    `start_pos`; wider runs come from the batch and stay at `start_pos`. Rows use the engine's
+    own slots 0 .. batch_size-1 (the engine is idle: a request's prefill rewrites its slot).
+    The widths alternate for `rounds` rounds of `iters` calls each and each keeps its fastest
+    round, so machine noise hits them alike."""
     ex = engine.executor
     fn = make_generation_step(ex.graphdef)
     params = Params(target=ex.params.target)
     state = ex.state.replace(draft=None)
     rows = next(b for b in ex.decode_buckets if b >= batch_size)
-    batch = empty_batch(rows, width, ex.blocks_per_seq, ex.spare_slot)
-    blocks = -(-(start_pos + width) // engine.config.tokens_per_block)
+    if batch_size > ex.spare_slot:
+        raise ValueError(f"batch_size {batch_size} > the engine's {ex.spare_slot} slots")
+    first = start_pos - iters // 2  # a width-1 round runs from here to first + iters - 1
+    if first < 0:
+        raise ValueError(f"start_pos {start_pos} < iters // 2 ({iters // 2})")
+    last = max(first + iters, start_pos + max(widths))
+    blocks = -(-last // engine.config.tokens_per_block)
+    if blocks > ex.blocks_per_seq:
+        raise ValueError(f"positions up to {last} need {blocks} blocks per sequence; the "
+                         f"engine has {ex.blocks_per_seq}")
     total = engine.allocator.total_blocks
-    for i in range(batch_size):
-        set_row(batch, i, run=[0] * width, start_pos=start_pos, slot=ex.spare_slot,
-                blocks=list(1 + (i * blocks + np.arange(blocks)) % total), max_len=10**6)
-    for _ in range(3):
-        state, out = fn(params, state, batch)
-    jax.block_until_ready(out)
-    start = time.perf_counter()
-    for _ in range(iters):
-        state, out = fn(params, state, batch)
-    jax.block_until_ready(out)
+    tables = [list(1 + (i * blocks + np.arange(blocks)) % total) for i in range(batch_size)]
+    batches = []
+    for width in widths:
+        batch = empty_batch(rows, width, ex.blocks_per_seq, ex.spare_slot)
+        for i in range(batch_size):
+            set_row(batch, i, run=[0] * width, start_pos=start_pos, slot=i, blocks=tables[i],
+                    max_len=10**6)
+        batches.append(batch)
+    slot_ids = np.arange(batch_size)
+
+    def rewind(state):
+        """Put the rows' slots at `first` with no drafts (outside the timed calls)."""
+        slots = state.slots.replace(start=state.slots.start.at[slot_ids].set(first),
+                                    num_drafts=state.slots.num_drafts.at[slot_ids].set(0))
+        return jax.block_until_ready(state.replace(slots=slots))
+
+    for batch in batches:  # compile and warm each width
+        state = rewind(state)
+        for _ in range(3):
+            state, out = fn(params, state, batch)
+        jax.block_until_ready(out)
+    best = [float("inf")] * len(widths)
+    for _ in range(rounds):
+        for k, batch in enumerate(batches):
+            state = rewind(state)
+            start = time.perf_counter()
+            for _ in range(iters):
+                state, out = fn(params, state, batch)
+            jax.block_until_ready(out)
+            best[k] = min(best[k], (time.perf_counter() - start) / iters)
     ex.state = ex.state.replace(target=state.target, slots=state.slots)  # donated
-    return (time.perf_counter() - start) / iters
+    return best
+
+
+def time_generation_step(engine: Engine, batch_size: int, width: int, start_pos: int,
+                         iters: int = 20) -> float:
+    """Seconds per back-to-back call for one width (see `time_generation_steps`)."""
+    return time_generation_steps(engine, batch_size, [width], start_pos, iters, rounds=1)[0]
