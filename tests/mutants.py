@@ -38,6 +38,13 @@ E2E_DEPTHS = tuple(f"{E2E}::test_tokens_decided_at_each_depth_follow_the_target"
                    f"[draft_target_one_model-{group}]"
                    for group in ("depth 1", "depth 2", "depth 3", "bonus (full chain)"))
 E2E_GREEDY = E2E + "::test_greedy_rows_stay_exact_beside_sampled_ones"
+SPEC = "tests/speculative/test_spec_engine.py"
+GREEDY_DRAFT_TARGET = (SPEC + "::test_greedy_equals_plain_greedy_across_batches_and_arrivals"
+                       "[draft_target]")
+STOPS = tuple(f"{SPEC}::test_stop_and_eos_inside_an_accepted_run[{setup}]"
+              for setup in ("draft_target_overlap", "host_oracle"))
+LEDGER = tuple(f"tests/engine/test_kv_ledger.py::test_randomized_kv_ledger_with_overlap[{setup}]"
+               for setup in ("draft_target", "mtp"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +95,25 @@ MUTANTS = [
            "                jax.nn.softmax(filtered, axis=-1))",
            "                jax.nn.softmax(logits.astype(jnp.float32), axis=-1))",
            E2E_DEPTHS),
+    # Bugs the greedy tests only see with drafts both accepted and rejected, stops inside an
+    # accepted run, and steps in flight.
+    Mutant("strict_accept_counts_matches", "a draft matching after a mismatch counted accepted",
+           "specjax/core/accept.py",
+           "accepted = jnp.sum(jnp.cumprod(match.astype(jnp.int32), axis=1), axis=1)",
+           "accepted = jnp.sum(match.astype(jnp.int32), axis=1)",
+           (GREEDY_DRAFT_TARGET,)),
+    Mutant("stop_only_at_run_end", "stop tokens and EOS looked for only at a run's last token",
+           "specjax/engine/output.py",
+           "if (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids:",
+           "if ((not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids)"
+           " and token == tokens[-1]:",
+           STOPS),
+    Mutant("give_back_in_flight_reservation",
+           "settling a step gives back the positions a newer step in flight reserved",
+           "specjax/engine/bookkeeper.py",
+           "- request.num_computed - request.latest_reserve)",
+           "- request.num_computed)",
+           LEDGER),
     Mutant("greedy_rows_rejection_sampled", "greedy rows go through rejection sampling too",
            "specjax/core/accept.py",
            "sampled = batch.temperature > 0",
