@@ -164,9 +164,8 @@ class Outcome:
 
 def run_tests(root: Path, tests: tuple[str, ...], stop_at_first: bool = True) -> Outcome:
     start = time.perf_counter()
-    cmd = [sys.executable, "-m", "pytest", "-q", "-rf", "-p", "no:cacheprovider", *tests]
-    if stop_at_first:
-        cmd.insert(4, "-x")
+    cmd = [sys.executable, "-m", "pytest", "-q", "-rf", "-p", "no:cacheprovider",
+           *(["-x"] if stop_at_first else []), *tests]
     out = subprocess.run(cmd, cwd=root, env=_env(root), capture_output=True, text=True)
     text = out.stdout + out.stderr
     failed = re.findall(r"^FAILED ([^\s\[]+(?:\[[^\]]*\])?)", text, flags=re.M)

@@ -24,7 +24,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from specjax.bench.timing import time_generation_step
+from specjax.bench.timing import decode_step_time, time_generation_step
 from specjax.llm import LLM
 from specjax.models import Llama, ModelConfig, save_hf_checkpoint
 from specjax.models.registry import resolve_model_path
@@ -44,14 +44,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt-len", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3, help="timed runs; the best is kept")
     parser.add_argument("--no-hf", action="store_true", help="skip transformers")
-
-
-def decode_step_time(outs) -> float:
-    """Seconds per decode step: the requests' time after their first token over their steps
-    after the prefill (whose token `decoding_iterations` counts too). Prefill and setup are
-    left out; requests of one batch share their steps, so this is the engine's step time."""
-    seconds = sum(o.stats.finish_time - o.stats.first_token_time for o in outs)
-    return seconds / sum(o.stats.decoding_iterations - 1 for o in outs)
 
 
 _HF = {}

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import jax
 
-from specjax.bench.timing import time_generation_steps
+from specjax.bench.timing import decode_rate, time_generation_steps
 from specjax.llm import LLM
 from specjax.models.registry import resolve_model_path
 from specjax.sampling_params import SamplingParams
@@ -90,13 +90,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _parse_config(text: str) -> SpeculativeConfig:
     path = Path(text)
     return SpeculativeConfig.from_json(path.read_text() if path.exists() else text)
-
-
-def decode_rate(outs) -> float:
-    """Tokens per second after each request's first token (1 / TPOT): the phase speculation
-    speeds up, without the prompt's prefill, which both sides pay alike."""
-    seconds = sum(o.stats.finish_time - o.stats.first_token_time for o in outs)
-    return sum(len(o.token_ids) - 1 for o in outs) / seconds
 
 
 def acceptance(outs) -> dict[str, float]:

@@ -1,5 +1,6 @@
-"""Timing the compiled generation step alone, through the public step API: what the engine's
-host loop adds on top of it, and what verifying D+1 tokens costs against 1."""
+"""Timing for the benches: the decode phase of finished requests (after each first token), and
+the compiled generation step alone, through the public step API -- what the engine's host loop
+adds on top of it, and what verifying D+1 tokens costs against 1."""
 from __future__ import annotations
 
 import time
@@ -10,6 +11,24 @@ import numpy as np
 
 from specjax.core import Params, empty_batch, make_generation_step, set_row
 from specjax.engine.engine import Engine
+
+
+def decode_seconds(outs) -> float:
+    """The requests' time after their first token, summed: the decode phase, prefill left out."""
+    return sum(o.stats.finish_time - o.stats.first_token_time for o in outs)
+
+
+def decode_rate(outs) -> float:
+    """Tokens per second after each request's first token (1 / TPOT): the phase speculation
+    speeds up, without the prompt's prefill, which both sides pay alike."""
+    return sum(len(o.token_ids) - 1 for o in outs) / decode_seconds(outs)
+
+
+def decode_step_time(outs) -> float:
+    """Seconds per decode step: the requests' time after their first token over their steps
+    after the prefill (whose token `decoding_iterations` counts too). Prefill and setup are
+    left out; requests of one batch share their steps, so this is the engine's step time."""
+    return decode_seconds(outs) / sum(o.stats.decoding_iterations - 1 for o in outs)
 
 
 def time_generation_steps(engine: Engine, batch_size: int, widths: Sequence[int],

@@ -13,10 +13,12 @@ themselves (drawn from q) must fail -- the test has the power to see a sampler t
 draft distribution. `tests/mutants.py` plants bugs in the acceptance code and checks that these
 tests catch them.
 """
+import dataclasses
+
 import pytest
 
-from specjax.bench.sampling import (PROMPT, depth_groups, in_step_configs, judge_groups,
-                                    make_llm, sample_and_tag, target_probs)
+from specjax.bench.sampling import (PROMPT, acceptance_rate, depth_groups, in_step_configs,
+                                    judge_groups, make_llm, sample_and_tag, target_probs)
 from specjax.sampling_params import SamplingParams
 
 N, MAX_TOKENS, TEMPERATURE, D = 128, 32, 0.8, 3
@@ -77,8 +79,6 @@ def test_the_statistic_detects_the_draft_distribution(runs, drafter):
 
 
 def test_rejection_sampling_accepts_more_than_strict_matching(runs):
-    import dataclasses
-    from specjax.bench.sampling import acceptance_rate
     name = DRAFTERS[0]
     llm = runs(name)[0]
     strict = make_llm(dataclasses.replace(CONFIGS[name], use_rejection_sampling=False),
