@@ -27,6 +27,7 @@ import argparse
 import dataclasses
 import math
 
+import jax.numpy as jnp
 import numpy as np
 
 from specjax.llm import LLM
@@ -74,7 +75,6 @@ class Decided:
     draft: np.ndarray      # [n] the draft token at this depth (-1 for plain and bonus)
     q: list                # [n] the draft distribution `[V]` (None for plain and bonus)
     sequences: list[list[int]]
-    prompt_len: int
 
 
 def sample_and_tag(llm: LLM, D: int, n: int, max_tokens: int, temperature: float,
@@ -117,22 +117,18 @@ def sample_and_tag(llm: LLM, D: int, n: int, max_tokens: int, temperature: float
                 pending[i] = (list(r.draft_tokens),
                               probs[r.slot, :len(r.draft_tokens)].copy() if probs is not None
                               else None)
-            elif emitted:
-                pending.pop(i, None)
     if engine.stats.num_preemptions != preemptions:
         raise AssertionError("a request was preempted: size the KV pool for the whole batch")
     if any(len(r.output_ids) != max_tokens for r in requests):
         raise AssertionError("a sequence finished early")
     return Decided(**{k: np.asarray(v) for k, v in cols.items()}, q=qs,
-                   sequences=[r.prompt_ids + r.output_ids for r in requests],
-                   prompt_len=len(ids))
+                   sequences=[r.prompt_ids + r.output_ids for r in requests])
 
 
 def target_probs(llm: LLM, sequences: list[list[int]], temperature: float,
                  batch: int = 32) -> np.ndarray:
     """The target's exact next-token distributions `[N, L, V]` float64 (row t: p(. | seq[:t+1]))
     from a dense forward of the model over whole sequences."""
-    import jax.numpy as jnp
     out = []
     for i in range(0, len(sequences), batch):
         logits = np.asarray(llm.model(jnp.asarray(sequences[i:i + batch], jnp.int32)), np.float64)
