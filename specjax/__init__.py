@@ -5,6 +5,10 @@ bookkeeper, output processor) -> `speculative` (modes, configs, drafters, worker
 (the jitted steps: the public step API) -> `models`, `pallas_kernels` -> results.
 See ARCHITECTURE.md for where each mechanism lives.
 """
+from specjax import xla_flags
+
+xla_flags.apply()  # before anything starts JAX's backend
+
 from specjax.engine.engine import Engine, EngineConfig
 from specjax.engine.request import RequestOutput, RequestStats
 from specjax.llm import LLM

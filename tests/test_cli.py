@@ -51,7 +51,12 @@ def test_module_entry_points_have_help():
 @pytest.mark.slow
 def test_bench_decode_prints_a_row_per_batch_size(capsys):
     bench_main(["decode", "--model", "bundled", "--no-hf", "--batch-sizes", "1", "2",
-                "--max-tokens", "8", "--repeats", "1"])
-    rows = [line.split() for line in capsys.readouterr().out.splitlines()]
+                "--max-tokens", "8", "--repeats", "1", "--verify-len", "2"])
+    out = capsys.readouterr().out
+    table, verify = out.split("verification cost")
+    rows = [line.split() for line in table.splitlines()]
     rows = [r for r in rows if r and r[0] in ("1", "2")]
     assert [r[0] for r in rows] == ["1", "2"] and all(float(r[1]) > 0 for r in rows)
+    assert "roofline (batch 1)" in table and "x the floor" in table
+    ratios = [line.split() for line in verify.splitlines() if line.split()[:1] == ["1"]]
+    assert len(ratios) == 1 and len(ratios[0]) == 4 and all(float(x) > 0 for x in ratios[0][1:])

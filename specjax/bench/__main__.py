@@ -1,13 +1,13 @@
-"""`python -m specjax.bench decode|spec|sampling ...`: benchmarks that print their figures."""
+"""`python -m specjax.bench decode|spec|sampling|cpu ...`: benchmarks that print their figures."""
 import argparse
 
-from specjax.bench import decode, sampling, spec
+from specjax.bench import cpu, decode, sampling, spec
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m specjax.bench", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    modules = {"decode": decode, "spec": spec, "sampling": sampling}
+    modules = {"decode": decode, "spec": spec, "sampling": sampling, "cpu": cpu}
     for name, module in modules.items():
         module.add_arguments(sub.add_parser(name, help=module.__doc__.splitlines()[0]))
     args = parser.parse_args(argv)

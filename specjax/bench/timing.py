@@ -99,3 +99,28 @@ def time_generation_step(engine: Engine, batch_size: int, width: int, start_pos:
                          iters: int = 20) -> float:
     """Seconds per back-to-back call for one width (see `time_generation_steps`)."""
     return time_generation_steps(engine, batch_size, [width], start_pos, iters, rounds=1)[0]
+
+
+def copy_bandwidth(megabytes: int = 256, repeats: int = 10) -> float:
+    """Bytes per second a memory-to-memory copy moves on this machine (read + write, the STREAM
+    convention), the best of `repeats`: the physical floor a decode step's weight reads run
+    against. The buffer is far larger than any cache."""
+    src = np.ones(megabytes * 2**20 // 4, np.float32)
+    dst = np.empty_like(src)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - start)
+    return 2 * src.nbytes / best
+
+
+def decode_weight_bytes(engine: Engine) -> int:
+    """Bytes of target weights one decode step must read: every parameter but the embedding
+    table, of which a step reads only its rows' entries (a tied table is read whole, as the LM
+    head)."""
+    params = engine.executor.params.target
+    total = sum(x.nbytes for x in jax.tree.leaves(params))
+    if not engine.model_config.tie_word_embeddings:
+        total -= params["embed"].nbytes
+    return total

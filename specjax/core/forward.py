@@ -3,7 +3,8 @@ pool through the row's block table. Target and drafter heads share `PagedAttenti
 pools line up block for block."""
 from __future__ import annotations
 
-from typing import Sequence
+import functools
+from typing import Callable, Sequence, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -13,6 +14,8 @@ from pallas_kernels.paged_attention import paged_attention
 from specjax.core.batch import StepBatch
 from specjax.core.kv import NULL_BLOCK, KVPool
 from specjax.models.llama import NO_WINDOW, Llama, layer_windows
+
+T = TypeVar("T")
 
 
 def kv_destinations(batch: StepBatch, tokens_per_block: int) -> tuple[jax.Array, jax.Array]:
@@ -26,6 +29,44 @@ def kv_destinations(batch: StepBatch, tokens_per_block: int) -> tuple[jax.Array,
     return jnp.where(valid, blocks, NULL_BLOCK), positions % tokens_per_block
 
 
+# Block-table widths a step chooses from (`with_narrowest_table`): at most this many, none
+# narrower than this many tokens. Each width adds one attention branch per layer to the
+# compiled step (compile time), so a few, a factor of 2 apart, cover a long max_model_len.
+MAX_TABLE_WIDTHS = 4
+MIN_TABLE_TOKENS = 64
+
+
+def table_widths(max_blocks: int, tokens_per_block: int) -> tuple[int, ...]:
+    """`max_blocks` (the whole table) and the powers of two below it, each at most half the
+    next, from the widest down: at most MAX_TABLE_WIDTHS, none under MIN_TABLE_TOKENS."""
+    floor = -(-MIN_TABLE_TOKENS // tokens_per_block)
+    widths = [max_blocks]
+    w = 1 << ((max_blocks // 2).bit_length() - 1) if max_blocks >= 2 else 0
+    while w >= max(floor, 1) and len(widths) < MAX_TABLE_WIDTHS:
+        widths.append(w)
+        w //= 2
+    return tuple(sorted(widths))
+
+
+def with_narrowest_table(read: Callable[[jax.Array], T], block_tables: jax.Array,
+                         context_lens: jax.Array, tokens_per_block: int) -> T:
+    """`read(block_tables[:, :w])` for the narrowest width w in `table_widths` whose blocks
+    hold every row's context (`context_lens` `[B]`, 0 for padded rows).
+
+    Attention reads every block of the table it is given, and the table is as wide as the
+    longest sequence the engine admits: at a 2k max_model_len that is more bytes per step than
+    the weights, for a context of a hundred tokens. One branch per width, chosen on the device
+    by a conditional, keeps it one compiled program: no compile per width, and no host round
+    trip (under the overlap scheduler only the device knows where a row stands)."""
+    widths = table_widths(block_tables.shape[1], tokens_per_block)
+    if len(widths) == 1:
+        return read(block_tables)
+    needed = -(-jnp.max(context_lens) // tokens_per_block)  # blocks
+    index = jnp.searchsorted(jnp.asarray(widths), needed)  # first width >= needed
+    branches = [functools.partial(lambda w: read(block_tables[:, :w]), w) for w in widths]
+    return jax.lax.switch(jnp.minimum(index, len(widths) - 1), branches)
+
+
 class PagedAttention:
     """Paged attention for runs laid out as in `batch`: `write` puts a run's K/V into a pool
     layer (padding into the null block), `read` attends each row's queries over its blocks up
@@ -36,6 +77,7 @@ class PagedAttention:
         self.batch, self.windows = batch, windows
         self.positions = batch.start_pos[:, None] + jnp.arange(T)   # [B, T]
         self.context_lens = batch.start_pos + batch.query_lens      # [B]
+        self.tokens_per_block = tokens_per_block
         self.blocks, self.offsets = kv_destinations(batch, tokens_per_block)
 
     def write(self, k: jax.Array, v: jax.Array, layer, pool: KVPool) -> KVPool:
@@ -44,8 +86,11 @@ class PagedAttention:
 
     def read(self, q: jax.Array, layer, pool: KVPool) -> jax.Array:
         window = NO_WINDOW if self.windows is None else self.windows[layer]
-        out = paged_attention(q, pool.k, pool.v, layer, self.batch.block_tables,
-                              self.positions, self.context_lens, window)
+        real = jnp.where(self.batch.query_lens > 0, self.context_lens, 0)
+        out = with_narrowest_table(
+            lambda tables: paged_attention(q, pool.k, pool.v, layer, tables, self.positions,
+                                           self.context_lens, window),
+            self.batch.block_tables, real, self.tokens_per_block)
         return out.astype(q.dtype)
 
     def attend(self, q, k, v, layer, pool: KVPool) -> tuple[jax.Array, KVPool]:

@@ -83,11 +83,12 @@ class EngineState:
 
 def split_model(target: Llama, draft: nnx.Module | None = None
                 ) -> tuple[nnx.GraphDef, Params]:
-    """(the target's graph definition, `Params`) for the step functions. Stacked `Llama`
-    layers are unstacked first: a decode step then reads each layer's weights in place."""
-    target = target.unstacked()
-    if isinstance(draft, Llama):
-        draft = draft.unstacked()
+    """(the target's graph definition, `Params`) for the step functions, in the layout the
+    steps run (`for_inference`: unstacked layers, so a decode step reads each layer's weights
+    in place; q/k/v and gate/up fused)."""
+    target = target.for_inference()
+    if draft is not None:
+        draft = draft.for_inference()
     graphdef, state = nnx.split(target)
     return graphdef, Params(
         target=nnx.to_pure_dict(state),

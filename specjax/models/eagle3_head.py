@@ -31,6 +31,7 @@ from flax import nnx
 
 from specjax.models.config import (DTYPES, RopeScaling, check_attention_fields, rope_from_hf,
                                    rope_scaling_to_hf)
+from specjax.models.fused import fuse_projections, linear_parts
 from specjax.models.llama import HeadAttendFn, dense_attention, rms_norm
 from specjax.models.rope import apply_rope, rope_tables
 
@@ -195,6 +196,24 @@ class Eagle3Head(nnx.Module):
         self.d2t = VocabMap(jnp.zeros((config.draft_vocab_size,), jnp.int32))
         self.t2d = VocabMap(jnp.arange(config.vocab_size) < config.draft_vocab_size)
 
+    def for_inference(self) -> "Eagle3Head":
+        """The layout the engine's steps run: a copy whose midlayer has q/k/v and gate/up
+        fused (`specjax.models.fused`); the checkpoint layout is unchanged."""
+        if "qkv_proj" in self.midlayer:
+            return self
+        head = nnx.merge(*nnx.split(self))
+        head.midlayer = nnx.Dict({name: nnx.Param(array) for name, array
+                                  in fuse_projections(self._midlayer_params()).items()})
+        return head
+
+    def _midlayer_params(self) -> dict[str, jax.Array]:
+        return {name: p[...] for name, p in self.midlayer.items()}
+
+    def _sizes(self) -> dict[str, tuple[int, ...]]:
+        cfg = self.config
+        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        return {"qkv": (q, kv, kv), "gate_up": (cfg.intermediate_size,) * 2}
+
     # ---- pure pieces (the engine's worker composes these around its paged attention) -------
 
     def fuse(self, captured: jax.Array) -> jax.Array:
@@ -216,9 +235,10 @@ class Eagle3Head(nnx.Module):
         B, T, _ = hidden.shape
         x = jnp.concatenate([rms_norm(embeds, lp["input_layernorm"][...], cfg.rms_norm_eps),
                              rms_norm(hidden, lp["hidden_norm"][...], cfg.rms_norm_eps)], axis=-1)
-        q = (x @ lp["q_proj"][...]).reshape(B, T, cfg.num_heads, cfg.head_dim)
-        k = (x @ lp["k_proj"][...]).reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
-        v = (x @ lp["v_proj"][...]).reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
+        q, k, v = linear_parts(x, self._midlayer_params(), "qkv", self._sizes()["qkv"])
+        q = q.reshape(B, T, cfg.num_heads, cfg.head_dim)
+        k = k.reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
+        v = v.reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
         cos, sin = rope_tables(cfg, positions)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, hidden
 
@@ -230,8 +250,8 @@ class Eagle3Head(nnx.Module):
         B, T = attn_out.shape[:2]
         x = residual + attn_out.reshape(B, T, cfg.num_heads * cfg.head_dim) @ lp["o_proj"][...]
         h = rms_norm(x, lp["post_attention_layernorm"][...], cfg.rms_norm_eps)
-        mlp = (jax.nn.silu(h @ lp["gate_proj"][...]) * (h @ lp["up_proj"][...])) @ lp["down_proj"][...]
-        return x + mlp
+        gate, up = linear_parts(h, self._midlayer_params(), "gate_up", self._sizes()["gate_up"])
+        return x + (jax.nn.silu(gate) * up) @ lp["down_proj"][...]
 
     def logits(self, hidden_out: jax.Array) -> jax.Array:
         """`[..., H]` -> float32 `[..., draft_vocab]` (final norm + lm_head)."""

@@ -2,10 +2,11 @@
 
 Layer parameters come in two layouts. Stacked (the default, used for training and loading):
 one array per parameter with a leading `[L]` axis, run under `lax.scan`, so the compiled
-program holds one layer body whatever the depth. Unstacked (`model.unstacked()`, what the
-inference engine runs): one array per layer, run as an unrolled loop -- in a decode step the
-scan's per-layer dynamic slice copies every weight before using it, which on a CPU makes
-the step about 3x slower than reading the weights in place.
+program holds one layer body whatever the depth. Unstacked (`model.unstacked()`): one array
+per layer, run as an unrolled loop -- in a decode step the scan's per-layer dynamic slice
+copies every weight before using it (`python -m specjax.bench cpu` times the layouts).
+`model.for_inference()`, what the engine runs, is unstacked with q/k/v and gate/up fused
+(`specjax.models.fused`).
 
 The layer body takes an `attend` callback: the dense reference forward here plugs in causal
 attention over the run itself; the paged engine plugs in attention over its KV pool, reusing
@@ -21,6 +22,7 @@ from flax import nnx
 
 from pallas_kernels.paged_attention.reference import NO_WINDOW, dense_attention
 from specjax.models.config import ModelConfig
+from specjax.models.fused import fuse_projections, linear_parts, unfuse_projections
 from specjax.models.rope import apply_rope, rope_tables
 
 # Per-layer attention: (q [B,T,H,hd], k [B,T,KV,hd], v [B,T,KV,hd], layer index, state) ->
@@ -101,19 +103,30 @@ class Llama(nnx.Module):
         """Stacked layer parameters as plain arrays, `{name: [L, ...]}` (either layout)."""
         if self.stacked:
             return {name: p[...] for name, p in self.layers.items()}
-        return {name: jnp.stack([layer[name][...] for layer in self.layers])
-                for name in self.layers[0]}
+        sizes = projection_sizes(self.config)
+        layers = [unfuse_projections({n: p[...] for n, p in layer.items()}, sizes)
+                  for layer in self.layers]
+        return {name: jnp.stack([layer[name] for layer in layers]) for name in layers[0]}
 
-    def unstacked(self) -> "Llama":
-        """The same model (sharing every array) with one parameter set per layer."""
-        if not self.stacked:
+    def unstacked(self, fused: bool = False) -> "Llama":
+        """The same model with one parameter set per layer (sharing every array unless
+        `fused`: then each layer's q/k/v and gate/up are concatenated into one weight)."""
+        if not self.stacked and fused == ("qkv_proj" in self.layers[0]):
             return self
         model = nnx.merge(*nnx.split(self))
         stacked = self.layer_params()
-        model.layers = nnx.List([nnx.Dict({name: nnx.Param(array[i])
-                                           for name, array in stacked.items()})
-                                 for i in range(self.config.num_layers)])
+        layers = [{name: array[i] for name, array in stacked.items()}
+                  for i in range(self.config.num_layers)]
+        if fused:
+            layers = [fuse_projections(layer) for layer in layers]
+        model.layers = nnx.List([nnx.Dict({name: nnx.Param(array)
+                                           for name, array in layer.items()})
+                                 for layer in layers])
         return model
+
+    def for_inference(self) -> "Llama":
+        """The layout the engine's steps run: unstacked, q/k/v and gate/up fused."""
+        return self.unstacked(fused=True)
 
     def embed_tokens(self, tokens: jax.Array) -> jax.Array:
         """tokens `[B, T]` -> `[B, T, D]`."""
@@ -193,6 +206,12 @@ def _check_capture_layers(config: ModelConfig, layers: Sequence[int]) -> None:
                              f"{config.num_layers} layers (0..{config.num_layers - 1})")
 
 
+def projection_sizes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Output widths of the fused groups' parts (`specjax.models.fused`)."""
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    return {"qkv": (q, kv, kv), "gate_up": (cfg.intermediate_size,) * 2}
+
+
 def layer_qkv(cfg: ModelConfig, lp: dict[str, jax.Array], x: jax.Array, cos: jax.Array,
               sin: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """x `[B, T, H]` -> q `[B, T, heads, hd]`, k, v `[B, T, kv, hd]` (norm, biases, q/k norm,
@@ -200,9 +219,7 @@ def layer_qkv(cfg: ModelConfig, lp: dict[str, jax.Array], x: jax.Array, cos: jax
     B, T, _ = x.shape
     hd = cfg.head_dim
     h = rms_norm(x, lp["input_norm"], cfg.rms_norm_eps)
-    q, k, v = h @ lp["q_proj"], h @ lp["k_proj"], h @ lp["v_proj"]
-    if cfg.qkv_bias:
-        q, k, v = q + lp["q_bias"], k + lp["k_bias"], v + lp["v_bias"]
+    q, k, v = linear_parts(h, lp, "qkv", projection_sizes(cfg)["qkv"], cfg.qkv_bias)
     q = q.reshape(B, T, cfg.num_heads, hd)
     k = k.reshape(B, T, cfg.num_kv_heads, hd)
     v = v.reshape(B, T, cfg.num_kv_heads, hd)
@@ -221,9 +238,7 @@ def layer_finish(cfg: ModelConfig, lp: dict[str, jax.Array], attn: jax.Array,
         attn = attn + lp["o_bias"]
     x = residual + attn
     h = rms_norm(x, lp["post_norm"], cfg.rms_norm_eps)
-    gate, up = h @ lp["gate_proj"], h @ lp["up_proj"]
-    if cfg.mlp_bias:
-        gate, up = gate + lp["gate_bias"], up + lp["up_bias"]
+    gate, up = linear_parts(h, lp, "gate_up", projection_sizes(cfg)["gate_up"], cfg.mlp_bias)
     down = (jax.nn.silu(gate) * up) @ lp["down_proj"]
     if cfg.mlp_bias:
         down = down + lp["down_bias"]

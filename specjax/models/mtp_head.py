@@ -29,6 +29,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from specjax.models.config import ModelConfig
+from specjax.models.fused import fuse_projections
 from specjax.models.llama import (HeadAttendFn, Llama, dense_attention, layer_finish,
                                   layer_param_shapes, layer_qkv, rms_norm)
 from specjax.models.rope import rope_tables
@@ -131,6 +132,17 @@ class MTPHeads(nnx.Module):
         self.config = config
         self.num_modules = num_modules
         self.modules = nnx.List([MTPModule(config, rngs) for _ in range(num_modules)])
+
+    def for_inference(self) -> "MTPHeads":
+        """The layout the engine's steps run: a copy whose modules' decoder layers have q/k/v
+        and gate/up fused (`specjax.models.fused`); the checkpoint layout is unchanged."""
+        if "qkv_proj" in self.modules[0].block:
+            return self
+        heads = nnx.merge(*nnx.split(self))
+        for module in heads.modules:
+            module.block = nnx.Dict({name: nnx.Param(array) for name, array
+                                     in fuse_projections(module._block_params()).items()})
+        return heads
 
     @property
     def reuses_one_module(self) -> bool:

@@ -101,8 +101,7 @@ def build_speculation(config: SpeculativeConfig | None, target: Llama,
     draft_model = None
     if config.mode.use_one_engine():
         draft_model = load_draft_model(config, target)
-        if isinstance(draft_model, Llama):  # the layout the steps run (see `split_model`)
-            draft_model = draft_model.unstacked()
+        draft_model = draft_model.for_inference()  # the layout the steps run
     return Speculation(config, worker=get_spec_worker(config, draft_model, target.config),
                        draft_model=draft_model,
                        drafter=get_spec_drafter(config, max_sequence_length))
@@ -170,8 +169,7 @@ def get_spec_worker(config: SpeculativeConfig | None, draft_model=None,
     rs = config.use_rejection_sampling
     if draft_model is None:
         raise ValueError(f"{mode.name} needs its drafter module (see load_draft_model)")
-    graphdef = nnx.graphdef(draft_model.unstacked() if isinstance(draft_model, Llama)
-                            else draft_model)
+    graphdef = nnx.graphdef(draft_model.for_inference())  # the layout the steps run
     if mode is SpeculativeDecodingMode.DRAFT_TARGET_ONE_MODEL:
         return workers.DraftTargetWorker(graphdef, draft_model.config, rejection_sampling=rs)
     if target_config is None:

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from specjax.core.batch import StepBatch
-from specjax.core.forward import PagedAttention, gather_context, take_rows
+from specjax.core.forward import PagedAttention, gather_context, take_rows, with_narrowest_table
 from specjax.core.kv import KVPool, make_kv_pool
 from specjax.core.sampling import draft_tokens_and_probs
 from specjax.models.config import ModelConfig
@@ -107,35 +107,42 @@ class ChainWorker:
                                           newest + 1 + k, True)
 
         # The row of the last accepted token and every chain row attend to the same pool
-        # context: gather it once, and keep the chain rows' K/V local -- the next step's
-        # catch-up rewrites those positions before anything reads them.
-        keys, values, key_pos, key_valid = gather_context(kv, 0, batch.block_tables,
-                                                          batch.start_pos + lens)
-        pos = (batch.start_pos + last)[:, None]
-        out = dense_attention(take_rows(q, last)[:, None], keys, values, pos, key_pos,
-                              k_valid=key_valid)
-        h = layer.finish(out, take_rows(residual, last)[:, None])
-        first, first_probs = propose(h[:, 0], 0)
-        # Unrolled (D is static): on XLA:CPU a scan's loop overhead costs more than these
-        # few single-row passes.
-        drafts, probs, token = [first], [first_probs], first
+        # context: gather it once (through the narrowest block table that holds it), and keep
+        # the chain rows' K/V local -- the next step's catch-up rewrites those positions
+        # before anything reads them.
+        context_lens = batch.start_pos + lens
         live = (lens > 0)[:, None]
-        for k in range(1, num_drafts):
-            pos = (newest + k - 1)[:, None]
-            q, k_row, v_row, residual = layer.qkv_and_residual(
-                target.embed_tokens(token[:, None]), h, pos)
-            keys = jnp.concatenate([keys, k_row.astype(keys.dtype)], axis=1)
-            values = jnp.concatenate([values, v_row.astype(values.dtype)], axis=1)
-            key_pos = jnp.concatenate([key_pos, pos], axis=1)
-            key_valid = jnp.concatenate([key_valid, live], axis=1)
-            out = dense_attention(q, keys, values, pos, key_pos, k_valid=key_valid)
-            h = layer.finish(out.astype(q.dtype), residual)
-            token, p = propose(h[:, 0], k)
-            drafts.append(token)
-            probs.append(p)
-        return kv, jnp.stack(drafts, axis=1), (None if first_probs is None
+
+        def chain(tables):
+            keys, values, key_pos, key_valid = gather_context(kv, 0, tables, context_lens)
+            pos = (batch.start_pos + last)[:, None]
+            out = dense_attention(take_rows(q, last)[:, None], keys, values, pos, key_pos,
+                                  k_valid=key_valid)
+            h = layer.finish(out, take_rows(residual, last)[:, None])
+            first, first_probs = propose(h[:, 0], 0)
+            # Unrolled (D is static): on XLA:CPU a scan's loop overhead costs more than these
+            # few single-row passes.
+            drafts, probs, token = [first], [first_probs], first
+            for k in range(1, num_drafts):
+                pos = (newest + k - 1)[:, None]
+                q_row, k_row, v_row, res_row = layer.qkv_and_residual(
+                    target.embed_tokens(token[:, None]), h, pos)
+                keys = jnp.concatenate([keys, k_row.astype(keys.dtype)], axis=1)
+                values = jnp.concatenate([values, v_row.astype(values.dtype)], axis=1)
+                key_pos = jnp.concatenate([key_pos, pos], axis=1)
+                key_valid = jnp.concatenate([key_valid, live], axis=1)
+                out = dense_attention(q_row, keys, values, pos, key_pos, k_valid=key_valid)
+                h = layer.finish(out.astype(q_row.dtype), res_row)
+                token, p = propose(h[:, 0], k)
+                drafts.append(token)
+                probs.append(p)
+            return jnp.stack(drafts, axis=1), (None if first_probs is None
                                                else jnp.stack(probs, axis=1))
 
+        drafts, probs = with_narrowest_table(chain, batch.block_tables,
+                                             jnp.where(lens > 0, context_lens, 0),
+                                             kv.tokens_per_block)
+        return kv, drafts, probs
 
 @dataclasses.dataclass(frozen=True)
 class Eagle3Worker(ChainWorker):
