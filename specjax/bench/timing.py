@@ -95,12 +95,6 @@ def time_generation_steps(engine: Engine, batch_size: int, widths: Sequence[int]
     return best
 
 
-def time_generation_step(engine: Engine, batch_size: int, width: int, start_pos: int,
-                         iters: int = 20) -> float:
-    """Seconds per back-to-back call for one width (see `time_generation_steps`)."""
-    return time_generation_steps(engine, batch_size, [width], start_pos, iters, rounds=1)[0]
-
-
 def copy_bandwidth(megabytes: int = 256, repeats: int = 10) -> float:
     """Bytes per second a memory-to-memory copy moves on this machine (read + write, the STREAM
     convention), the best of `repeats`: the physical floor a decode step's weight reads run

@@ -77,6 +77,8 @@ class PagedAttention:
         self.batch, self.windows = batch, windows
         self.positions = batch.start_pos[:, None] + jnp.arange(T)   # [B, T]
         self.context_lens = batch.start_pos + batch.query_lens      # [B]
+        # What picks the table width: padded rows (whose slot start may be anything) see none.
+        self.visible_lens = jnp.where(batch.query_lens > 0, self.context_lens, 0)
         self.tokens_per_block = tokens_per_block
         self.blocks, self.offsets = kv_destinations(batch, tokens_per_block)
 
@@ -86,11 +88,10 @@ class PagedAttention:
 
     def read(self, q: jax.Array, layer, pool: KVPool) -> jax.Array:
         window = NO_WINDOW if self.windows is None else self.windows[layer]
-        real = jnp.where(self.batch.query_lens > 0, self.context_lens, 0)
         out = with_narrowest_table(
             lambda tables: paged_attention(q, pool.k, pool.v, layer, tables, self.positions,
                                            self.context_lens, window),
-            self.batch.block_tables, real, self.tokens_per_block)
+            self.batch.block_tables, self.visible_lens, self.tokens_per_block)
         return out.astype(q.dtype)
 
     def attend(self, q, k, v, layer, pool: KVPool) -> tuple[jax.Array, KVPool]:

@@ -31,7 +31,7 @@ from flax import nnx
 
 from specjax.models.config import (DTYPES, RopeScaling, check_attention_fields, rope_from_hf,
                                    rope_scaling_to_hf)
-from specjax.models.fused import fuse_projections, linear_parts
+from specjax.models.fused import fuse_projections, linear_parts, projection_sizes
 from specjax.models.llama import HeadAttendFn, dense_attention, rms_norm
 from specjax.models.rope import apply_rope, rope_tables
 
@@ -209,11 +209,6 @@ class Eagle3Head(nnx.Module):
     def _midlayer_params(self) -> dict[str, jax.Array]:
         return {name: p[...] for name, p in self.midlayer.items()}
 
-    def _sizes(self) -> dict[str, tuple[int, ...]]:
-        cfg = self.config
-        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        return {"qkv": (q, kv, kv), "gate_up": (cfg.intermediate_size,) * 2}
-
     # ---- pure pieces (the engine's worker composes these around its paged attention) -------
 
     def fuse(self, captured: jax.Array) -> jax.Array:
@@ -235,7 +230,7 @@ class Eagle3Head(nnx.Module):
         B, T, _ = hidden.shape
         x = jnp.concatenate([rms_norm(embeds, lp["input_layernorm"][...], cfg.rms_norm_eps),
                              rms_norm(hidden, lp["hidden_norm"][...], cfg.rms_norm_eps)], axis=-1)
-        q, k, v = linear_parts(x, self._midlayer_params(), "qkv", self._sizes()["qkv"])
+        q, k, v = linear_parts(x, self._midlayer_params(), "qkv", projection_sizes(cfg)["qkv"])
         q = q.reshape(B, T, cfg.num_heads, cfg.head_dim)
         k = k.reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
         v = v.reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
@@ -250,7 +245,8 @@ class Eagle3Head(nnx.Module):
         B, T = attn_out.shape[:2]
         x = residual + attn_out.reshape(B, T, cfg.num_heads * cfg.head_dim) @ lp["o_proj"][...]
         h = rms_norm(x, lp["post_attention_layernorm"][...], cfg.rms_norm_eps)
-        gate, up = linear_parts(h, self._midlayer_params(), "gate_up", self._sizes()["gate_up"])
+        gate, up = linear_parts(h, self._midlayer_params(), "gate_up",
+                                projection_sizes(cfg)["gate_up"])
         return x + (jax.nn.silu(gate) * up) @ lp["down_proj"][...]
 
     def logits(self, hidden_out: jax.Array) -> jax.Array:

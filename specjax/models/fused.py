@@ -8,13 +8,21 @@ dispatch and each pass over the input costs, and the wider matmul reads the same
 """
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from itertools import accumulate
+from typing import Any, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
 
 # fused name -> the projections it concatenates, in output-feature order.
 FUSED_GROUPS = {"qkv": ("q", "k", "v"), "gate_up": ("gate", "up")}
+
+
+def projection_sizes(cfg: Any) -> dict[str, tuple[int, ...]]:
+    """Output widths of each group's parts for a layer shaped by `cfg` (any config with
+    num_heads, num_kv_heads, head_dim, intermediate_size: a target's or a head's)."""
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    return {"qkv": (q, kv, kv), "gate_up": (cfg.intermediate_size,) * 2}
 
 
 def fuse_projections(params: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
@@ -63,8 +71,4 @@ def _split(y: jax.Array, sizes: Sequence[int]) -> list[jax.Array]:
     if y.shape[-1] != sum(sizes):
         raise ValueError(f"fused projection has {y.shape[-1]} output features, expected "
                          f"{' + '.join(map(str, sizes))}")
-    bounds, total = [], 0
-    for s in sizes[:-1]:
-        total += s
-        bounds.append(total)
-    return jnp.split(y, bounds, axis=-1)
+    return jnp.split(y, list(accumulate(sizes[:-1])), axis=-1)

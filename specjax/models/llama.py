@@ -22,7 +22,8 @@ from flax import nnx
 
 from pallas_kernels.paged_attention.reference import NO_WINDOW, dense_attention
 from specjax.models.config import ModelConfig
-from specjax.models.fused import fuse_projections, linear_parts, unfuse_projections
+from specjax.models.fused import (fuse_projections, linear_parts, projection_sizes,
+                                  unfuse_projections)
 from specjax.models.rope import apply_rope, rope_tables
 
 # Per-layer attention: (q [B,T,H,hd], k [B,T,KV,hd], v [B,T,KV,hd], layer index, state) ->
@@ -204,12 +205,6 @@ def _check_capture_layers(config: ModelConfig, layers: Sequence[int]) -> None:
         if not 0 <= layer < config.num_layers:
             raise ValueError(f"capture layer {layer} is outside the model's "
                              f"{config.num_layers} layers (0..{config.num_layers - 1})")
-
-
-def projection_sizes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Output widths of the fused groups' parts (`specjax.models.fused`)."""
-    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    return {"qkv": (q, kv, kv), "gate_up": (cfg.intermediate_size,) * 2}
 
 
 def layer_qkv(cfg: ModelConfig, lp: dict[str, jax.Array], x: jax.Array, cos: jax.Array,

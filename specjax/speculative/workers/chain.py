@@ -144,6 +144,7 @@ class ChainWorker:
                                              kv.tokens_per_block)
         return kv, drafts, probs
 
+
 @dataclasses.dataclass(frozen=True)
 class Eagle3Worker(ChainWorker):
     """EAGLE-3 (EAGLE3_ONE_MODEL): fc over three captured layers, one midlayer, draft vocab
