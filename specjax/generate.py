@@ -7,31 +7,40 @@ import sys
 import time
 from pathlib import Path
 
+from specjax.cli import HelpFormatter
 from specjax.llm import LLM
 from specjax.sampling_params import SamplingParams
-from specjax.speculative.defaults import parse_speculative_config
+from specjax.speculative.defaults import parse_speculative_config, speculative_config_help
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m specjax.generate", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m specjax.generate", description=__doc__,
+                                     formatter_class=HelpFormatter)
     parser.add_argument("--prompt", action="append",
-                        help="text to continue (repeat for a batch; default 'def fibonacci(n):')")
+                        help="text to continue (repeat for a batch; default: 'def fibonacci(n):')")
     parser.add_argument("--model", default="bundled",
                         help="'bundled' or a local Hugging Face / specjax checkpoint folder")
-    parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--min-p", type=float, default=0.0)
-    parser.add_argument("--seed", type=int, default=None)
-    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None)
-    parser.add_argument("--max-batch-size", type=int, default=8)
+    parser.add_argument("--max-tokens", type=int, default=128,
+                        help="tokens to generate per prompt")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="0 is greedy; otherwise sampled")
+    parser.add_argument("--top-k", type=int, default=0, help="0 keeps every token")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus mass kept")
+    parser.add_argument("--min-p", type=float, default=0.0,
+                        help="drop tokens below this fraction of the most likely one")
+    parser.add_argument("--seed", type=int, default=None,
+                        help="sampling seed (default: a random one per prompt)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
+                        help="parameter dtype (default: the checkpoint's)")
+    parser.add_argument("--max-batch-size", type=int, default=8,
+                        help="prompts decoded together in one step")
     parser.add_argument("--prompts-file", default=None,
-                        help="a JSONL file of prompts ({\"prompt\": ...} per line), added to --prompt")
-    parser.add_argument("--speculative-config", default="none",
-                        help="'none' (default), speculative config JSON, or a file holding it; "
-                             "e.g. '{\"mode\": 11, \"output_directory\": \"hs\"}' saves the "
-                             "target's hidden states (SAVE_HIDDEN_STATES) for head training")
+                        help="a JSONL file of prompts ({\"prompt\": ...} per line), added to "
+                             "--prompt")
+    parser.add_argument("--speculative-config", default="none", help=speculative_config_help(
+        "'none'; e.g. 'eagle3' drafts with the shipped EAGLE-3 head, and "
+        "'{\"mode\": \"save_hidden_states\", \"output_directory\": \"hs\"}' saves the "
+        "target's hidden states for head training"))
     return parser
 
 
@@ -79,9 +88,22 @@ def main(argv: list[str] | None = None) -> int:
         if len(prompts) > 1:
             print("-" * 40)
     tokens = sum(len(o.token_ids) for o in outputs)
-    print(f"[{tokens} tokens in {elapsed:.2f} s: {tokens / elapsed:.1f} tokens/s; "
-          f"model {llm.model_path}]", file=sys.stderr)
+    print(f"[{tokens} tokens in {elapsed:.2f} s (compiling included): "
+          f"{tokens / elapsed:.1f} tokens/s; model {llm.model_path}]", file=sys.stderr)
+    if spec is not None and (spec.mode.has_spec_decoder() or spec.mode.has_spec_drafter()):
+        print(f"[{spec.mode.name}: {speculation_summary(llm.stats)}]", file=sys.stderr)
     return 0
+
+
+def speculation_summary(stats) -> str:
+    """Acceptance length and rate, per draft position, for the end-of-run line."""
+    if stats.acceptance_length is None:
+        return "no drafts were verified"
+    per_position = " ".join(f"{a:.2f}" for a in stats.acceptance_per_position)
+    return (f"acceptance length {stats.acceptance_length:.2f} over "
+            f"{stats.request_steps_with_drafts} request-steps with drafts, acceptance rate "
+            f"{stats.acceptance_rate:.1%} ({stats.accepted_draft_tokens}/"
+            f"{stats.drafted_tokens}), accepted at least k by position k: {per_position}")
 
 
 if __name__ == "__main__":

@@ -6,12 +6,14 @@ from typing import Sequence
 
 from tqdm.auto import tqdm
 
+from specjax.engine import compile_cache
 from specjax.engine.engine import Engine, EngineConfig
 from specjax.engine.request import RequestOutput
 from specjax.models import Llama, load_hf_checkpoint
 from specjax.models.registry import resolve_model_path
 from specjax.sampling_params import SamplingParams
 from specjax.speculative.config import SpeculativeConfig
+from specjax.speculative.defaults import with_shipped_drafter
 from specjax.tokenizer import Tokenizer
 
 Prompt = str | Sequence[int]
@@ -22,6 +24,13 @@ class LLM:
 
     `model` is "bundled" (the checkpoint shipped in `checkpoints/`), a local Hugging Face or
     specjax checkpoint folder, or a `Llama` instance (then pass `tokenizer` for text prompts).
+
+    Compilation: each step shape (batch bucket x run width) compiles the first time a batch
+    needs it, so a few prompts pay only for the shapes they use; `warmup=True` (or
+    `llm.warmup()`) compiles every shape serving can use at once, after which generating
+    never compiles (the server does this). Compiled steps persist in JAX's compilation cache
+    (`specjax.engine.compile_cache`: `~/.cache/specjax/jax`, `SPECJAX_COMPILATION_CACHE=off`
+    turns it off), so the next start with the same model and sizes loads them from disk.
     """
 
     def __init__(self, model: str | os.PathLike | Llama = "bundled", *,
@@ -30,7 +39,8 @@ class LLM:
                  num_kv_blocks: int | None = None, tokens_per_block: int = 16,
                  prefill_chunk: int = 64, max_prefill_rows: int = 2, seed: int | None = None,
                  speculative_config: SpeculativeConfig | None = None,
-                 overlap_scheduler: bool = True, warmup: bool = True, progress: bool = True):
+                 overlap_scheduler: bool = True, warmup: bool = False, progress: bool = True):
+        compile_cache.enable()
         config = EngineConfig(max_batch_size=max_batch_size, max_model_len=max_model_len,
                               tokens_per_block=tokens_per_block, num_kv_blocks=num_kv_blocks,
                               prefill_chunk=prefill_chunk, max_prefill_rows=max_prefill_rows,
@@ -38,6 +48,8 @@ class LLM:
         if isinstance(model, Llama):
             self.model_path = None
         else:
+            # LLM("bundled", speculative_config=EagleConfig()) reads the shipped head.
+            speculative_config = with_shipped_drafter(speculative_config, model)
             self.model_path = resolve_model_path(model)
             model = load_hf_checkpoint(self.model_path, dtype=dtype)
             if tokenizer is None and (self.model_path / "tokenizer.json").exists():
@@ -47,13 +59,27 @@ class LLM:
         # Speculation (drafter modules included) is built and checked by the engine.
         self.engine = Engine(model, tokenizer, config, seed=seed,
                              speculative_config=speculative_config)
+        self.progress = progress
         if warmup:
-            self.engine.warmup(progress=progress)
+            self.warmup()
+
+    def warmup(self, progress: bool | None = None) -> None:
+        """Compile every step shape serving can use now (or load it from the compilation
+        cache), so that generating never compiles afterwards."""
+        self.engine.warmup(progress=self.progress if progress is None else progress)
 
     @property
     def stats(self):
-        """Engine-wide statistics: acceptance length and rate, draft overhead, tokens."""
+        """Engine-wide statistics since the engine started or `reset_stats()`: acceptance
+        length and rate, acceptance per draft position, draft overhead, tokens
+        (`specjax.engine.stats.EngineStats`)."""
         return self.engine.stats
+
+    def reset_stats(self) -> None:
+        """Start the engine-wide statistics from zero (e.g. between experiments in a
+        notebook). The acceptance gate keeps its own window: a gate that turned speculation
+        off stays off."""
+        self.engine.stats.reset()
 
     def encode(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):

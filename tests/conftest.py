@@ -1,5 +1,11 @@
 """Shared tiny models and warmed-up engines: compile once per session, not once per test."""
 import gc
+import os
+
+# Tests compile what they use, in this process: a persistent cache from an earlier run would
+# hide compilations the compile counter looks for (tests/engine/test_compile_cache.py turns
+# it on in its own subprocesses).
+os.environ["SPECJAX_COMPILATION_CACHE"] = "off"
 
 import jax
 import pytest
@@ -34,7 +40,8 @@ def tiny_model():
 def tiny_llm(tiny_model):
     import specjax
     return specjax.LLM(tiny_model, max_batch_size=4, tokens_per_block=4, prefill_chunk=8,
-                       max_prefill_rows=2, num_kv_blocks=80, progress=False, seed=0)
+                       max_prefill_rows=2, num_kv_blocks=80, progress=False, seed=0,
+                       warmup=True)
 
 
 # Tiny Hugging Face checkpoints, one per supported family, each with its distinguishing

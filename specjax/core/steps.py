@@ -76,17 +76,19 @@ def make_prefill_step(graphdef: nnx.GraphDef, worker: DraftWorker | None = None,
         keys = sampling_keys(batch.seeds, batch.start_pos + batch.query_lens)
         tokens = sample(logits, batch.temperature, batch.top_k, batch.top_p, batch.min_p, keys)
         run, num_drafts, kv_draft = tokens[:, None], jnp.zeros_like(tokens), state.draft
+        probs = None
         if worker is not None:
             # The token after each run: the next prompt token, or the one just sampled.
             ends = batch.next_tokens < 0
             following = jnp.where(ends, tokens, batch.next_tokens)
-            kv_draft, drafts = worker.catch_up(params.draft, kv_draft, batch, model, captured,
-                                               following, state.slots.run.shape[1] - 1)
+            kv_draft, drafts, probs = worker.catch_up(params.draft, kv_draft, batch, model,
+                                                      captured, following,
+                                                      state.slots.run.shape[1] - 1)
             if drafts is not None:  # the first generation step verifies these
                 run = jnp.concatenate([run, drafts], axis=1)
                 num_drafts = jnp.where(ends & (batch.query_lens > 0), drafts.shape[1], 0)
         slots = write_slots(state.slots, batch.slots, run, batch.start_pos + batch.query_lens,
-                            num_drafts)
+                            num_drafts, probs)
         return (EngineState(target=kv_target, slots=slots, draft=kv_draft),
                 PrefillOutput(tokens=tokens, hidden_states=captured if save_layers else None))
 

@@ -27,11 +27,14 @@ class DraftWorker(Protocol):
         """The worker's zeroed pool, block for block beside the target's."""
 
     def catch_up(self, params: Any, kv: KVPool, batch: StepBatch, target, captured: jax.Array,
-                 following: jax.Array, num_drafts: int) -> tuple[KVPool, jax.Array | None]:
+                 following: jax.Array, num_drafts: int
+                 ) -> tuple[KVPool, jax.Array | None, jax.Array | None]:
         """Prompt chunks: write the worker's K/V for the rows the target just processed.
         `following` `[B]`: the token after each run (the next prompt token or the one just
         sampled). May draft `num_drafts` tokens after a prompt's last chunk, for the first
-        generation step to verify -> (kv, drafts `[B, num_drafts]` or None)."""
+        generation step to verify -> (kv, drafts `[B, num_drafts]` or None, their
+        distributions `[B, num_drafts, V]` or None: given when the worker does rejection
+        sampling, which needs them)."""
 
     def draft(self, params: Any, kv: KVPool, batch: StepBatch, target, captured: jax.Array,
               new_tokens: jax.Array, new_lens: jax.Array, num_drafts: int

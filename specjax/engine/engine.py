@@ -85,6 +85,7 @@ class EngineSnapshot:
     num_failed_requests: int = 0
     acceptance_length: float | None = None
     acceptance_rate: float | None = None
+    acceptance_per_position: tuple[float, ...] = ()
     draft_overhead: float | None = None
 
 
@@ -163,6 +164,7 @@ class Engine:
             num_generated_tokens=stats.num_generated_tokens,
             num_preemptions=stats.num_preemptions, num_failed_requests=stats.num_failed_requests,
             acceptance_length=stats.acceptance_length, acceptance_rate=stats.acceptance_rate,
+            acceptance_per_position=tuple(stats.acceptance_per_position),
             draft_overhead=stats.draft_overhead)
 
     def draft_len_for(self, batch_size: int) -> int:

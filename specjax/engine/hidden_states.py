@@ -14,7 +14,8 @@ import json
 from pathlib import Path
 
 import numpy as np
-from safetensors.numpy import save_file
+
+from specjax.models.checkpoint_io import save_safetensors
 
 FORMAT = "specjax-hidden-states-v1"
 
@@ -69,8 +70,8 @@ class HiddenStateRecorder:
             tensors[f"hidden_{i}"] = hidden
             ids.append(request_id)
         path = self.directory / f"{self.prefix}_{self._next_file:05d}.safetensors"
-        save_file(tensors, str(path), metadata={"format": FORMAT, "layers": json.dumps(self.layers),
-                                                "request_ids": json.dumps(ids)})
+        save_safetensors(tensors, path, metadata={
+            "format": FORMAT, "layers": json.dumps(self.layers), "request_ids": json.dumps(ids)})
         self._next_file += 1
         self._done = []
         self.files.append(path)

@@ -29,6 +29,35 @@ class RequestStats:
     num_generated_tokens: int = 0
 
     @property
+    def time_to_first_token(self) -> float | None:
+        """Seconds from arrival to the first generated token."""
+        if self.first_token_time is None:
+            return None
+        return self.first_token_time - self.arrival_time
+
+    @property
+    def latency(self) -> float | None:
+        """Seconds from arrival to the last token."""
+        return None if self.finish_time is None else self.finish_time - self.arrival_time
+
+    def __repr__(self) -> str:
+        # The *_time fields are perf_counter readings (meaningful only as differences), so
+        # show the durations and ratios a reader wants instead.
+        def fmt(value):
+            return f"{value:.4g}" if isinstance(value, float) else repr(value)
+        shown = {
+            "time_to_first_token": self.time_to_first_token, "latency": self.latency,
+            "num_generated_tokens": self.num_generated_tokens,
+            "decoding_iterations": self.decoding_iterations,
+            "tokens_per_iteration": self.tokens_per_iteration,
+            "num_steps_with_drafts": self.num_steps_with_drafts,
+            "num_draft_tokens": self.num_draft_tokens,
+            "num_accepted_draft_tokens": self.num_accepted_draft_tokens,
+            "acceptance_length": self.acceptance_length,
+            "acceptance_rate": self.acceptance_rate, "num_preemptions": self.num_preemptions}
+        return "RequestStats(" + ", ".join(f"{k}={fmt(v)}" for k, v in shown.items()) + ")"
+
+    @property
     def acceptance_rate(self) -> float | None:
         if not self.num_draft_tokens:
             return None
@@ -36,7 +65,16 @@ class RequestStats:
 
     @property
     def acceptance_length(self) -> float | None:
-        """Tokens generated per decoding iteration (1.0 without speculation)."""
+        """(accepted drafts + n) / n over this request's n decoding iterations that verified
+        at least one draft: the same figure as `EngineStats.acceptance_length`, for one
+        request. None before any draft."""
+        n = self.num_steps_with_drafts
+        return (self.num_accepted_draft_tokens + n) / n if n else None
+
+    @property
+    def tokens_per_iteration(self) -> float | None:
+        """Tokens generated per decoding iteration, with or without drafts (1.0 without
+        speculation; the first token, from the prompt's prefill, counts as one iteration)."""
         if not self.decoding_iterations:
             return None
         return self.num_generated_tokens / self.decoding_iterations

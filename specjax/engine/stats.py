@@ -49,11 +49,28 @@ class EngineStats:
             self.accepted_draft_tokens += accepted
             self.drafted_tokens += drafted
 
+    def reset(self) -> None:
+        """Back to zero, in place: the engine's parts share this object."""
+        self.__dict__.update(EngineStats().__dict__)
+
     @property
     def acceptance_length(self) -> float | None:
-        """(sum accepted + n) / n over request-steps that had drafts."""
+        """(sum accepted + n) / n over the n request-steps that had drafts: tokens per target
+        step while speculating (the reference's AL; steps without drafts do not count)."""
         n = self.request_steps_with_drafts
         return (self.accepted_draft_tokens + n) / n if n else None
+
+    @property
+    def acceptance_per_position(self) -> list[float]:
+        """AR_k for draft positions k = 1, 2, ...: the share of request-steps with drafts that
+        accepted at least k of them (`[AR_1, AR_2, ...]`, as long as the deepest draft
+        verified; AL = 1 + sum of AR_k). Empty before any draft."""
+        n = self.request_steps_with_drafts
+        if not n:
+            return []
+        depth = len(self.verified_histogram) - 1
+        at_least = [sum(self.accepted_histogram[k:]) for k in range(1, depth + 1)]
+        return [a / n for a in at_least]
 
     @property
     def acceptance_rate(self) -> float | None:

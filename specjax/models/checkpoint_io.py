@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from safetensors import safe_open
+from safetensors.numpy import save_file
 
 
 def checkpoint_folder(path: str | os.PathLike, what: str) -> Path:
@@ -56,6 +57,33 @@ def read_safetensors(folder: str | os.PathLike) -> dict[str, np.ndarray]:
             for name in f.keys():
                 tensors[name] = f.get_tensor(name)
     return tensors
+
+
+def _process_umask() -> int:
+    """The process's file-creation mask, read without changing it where Linux shows it (changing
+    it, even for an instant, races with other threads creating files)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def save_safetensors(tensors: dict[str, np.ndarray], path: str | os.PathLike,
+                     metadata: dict[str, str] | None = None) -> Path:
+    """Write numpy `tensors` to the safetensors file `path`: the one writer of every file specjax
+    exports (checkpoints, heads, SAVE_HIDDEN_STATES). safetensors writes through a private temp
+    file and leaves mode 0600; the file gets what `open(path, "w")` would give it instead,
+    0o666 masked by the process umask."""
+    path = Path(path)
+    save_file(tensors, str(path), metadata=metadata)
+    os.chmod(path, 0o666 & ~_process_umask())
+    return path
 
 
 def checked_shape(name: str, array: np.ndarray, expected: tuple[int, ...]) -> np.ndarray:

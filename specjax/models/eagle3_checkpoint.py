@@ -33,11 +33,10 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from safetensors.numpy import save_file
 
 from specjax.models.checkpoint_io import (CheckpointError, checked_shape, checkpoint_folder,
                                           module_from_params, read_config, read_safetensors,
-                                          refuse_leftovers, tensor_taker)
+                                          refuse_leftovers, save_safetensors, tensor_taker)
 from specjax.models.eagle3_head import Eagle3Head, Eagle3HeadConfig, eagle3_param_shapes
 
 # midlayer param -> (public name, transposed in the file?)
@@ -144,5 +143,5 @@ def save_eagle3_head(head: Eagle3Head, folder: str | os.PathLike, dtype: str | N
                "t2d": np.asarray(head.t2d[...]).astype(bool)}
     for key, (name, transpose) in MIDLAYER_NAMES.items():
         tensors[name] = arr(head.midlayer[key], transpose)
-    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    save_safetensors(tensors, folder / "model.safetensors", metadata={"format": "pt"})
     (folder / "config.json").write_text(json.dumps(config.to_hf_dict(), indent=2) + "\n")

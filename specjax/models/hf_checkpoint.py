@@ -14,10 +14,9 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from safetensors.numpy import save_file
 
 from specjax.models.checkpoint_io import (checkpoint_folder, module_from_params, read_safetensors,
-                                          refuse_leftovers, tensor_taker)
+                                          refuse_leftovers, save_safetensors, tensor_taker)
 from specjax.models.config import ModelConfig
 from specjax.models.llama import Llama, layer_param_shapes
 
@@ -95,5 +94,5 @@ def save_hf_checkpoint(model: Llama, path: str | os.PathLike, dtype: str | None 
         for i in range(config.num_layers):
             tensors[f"model.layers.{i}.{suffix}"] = np.ascontiguousarray(
                 stacked[i].T if transpose else stacked[i])
-    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    save_safetensors(tensors, folder / "model.safetensors", metadata={"format": "pt"})
     (folder / "config.json").write_text(json.dumps(config.to_hf_dict(), indent=2) + "\n")

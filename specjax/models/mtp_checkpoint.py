@@ -28,12 +28,11 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from safetensors.numpy import save_file
 
 from specjax.models.config import DTYPES, ModelConfig
 from specjax.models.checkpoint_io import (CheckpointError, checkpoint_folder, module_from_params,
                                           read_config, read_safetensors, refuse_leftovers,
-                                          tensor_taker)
+                                          save_safetensors, tensor_taker)
 from specjax.models.llama import layer_param_shapes
 from specjax.models.mtp_head import MTPHeads
 
@@ -90,7 +89,7 @@ def save_mtp_heads(heads: MTPHeads, folder: str | os.PathLike, dtype: str | None
         for name, value in arrays.items():
             tensors[f"layers.{k}.{name}"] = np.ascontiguousarray(
                 np.asarray(value[...]).astype(np_dtype))
-    save_file(tensors, str(folder / WEIGHTS_NAME), metadata={"format": "specjax-mtp"})
+    save_safetensors(tensors, folder / WEIGHTS_NAME, metadata={"format": "specjax-mtp"})
     hf = mtp_config_dict(heads.config, heads.num_modules, dtype)
     (folder / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
 

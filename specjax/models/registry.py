@@ -8,19 +8,24 @@ from pathlib import Path
 CHECKPOINTS_DIR = Path(os.environ.get("SPECJAX_CHECKPOINTS",
                                       Path(__file__).resolve().parents[2] / "checkpoints"))
 BUNDLED_TARGET = "stdlib-llama-7m"
+# Names that resolve to the shipped checkpoints from any working directory.
+BUNDLED = {"bundled": BUNDLED_TARGET, "bundled-draft": "stdlib-draft",
+           "bundled-eagle3": "stdlib-eagle3", "bundled-mtp": "stdlib-mtp"}
 
 
 def resolve_model_path(model: str | os.PathLike) -> Path:
-    """"bundled" -> the shipped target; anything else must be an existing local folder."""
-    if str(model) == "bundled":
-        path = CHECKPOINTS_DIR / BUNDLED_TARGET
+    """"bundled" -> the shipped target, "bundled-draft" / "bundled-eagle3" / "bundled-mtp" ->
+    its shipped drafters; anything else must be an existing local folder."""
+    if str(model) in BUNDLED:
+        path = CHECKPOINTS_DIR / BUNDLED[str(model)]
         if not (path / "config.json").exists():
             raise FileNotFoundError(
-                f"the bundled model is missing from {path}; install specjax from a source "
-                "checkout (pip install -e .) or set SPECJAX_CHECKPOINTS to its checkpoints/ folder")
+                f"{model!s} is missing from {path}; install specjax from a source checkout "
+                "(pip install -e .) or set SPECJAX_CHECKPOINTS to its checkpoints/ folder")
         return path
     path = Path(model).expanduser()
     if not path.is_dir():
         raise ValueError(f"model: {str(model)!r} is neither 'bundled' nor an existing local folder "
-                         "(specjax never downloads models)")
+                         "(specjax never downloads models; the shipped drafters are "
+                         "'bundled-draft', 'bundled-eagle3' and 'bundled-mtp')")
     return path

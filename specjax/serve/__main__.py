@@ -16,43 +16,48 @@ import os
 import sys
 from typing import Mapping
 
+from specjax.cli import QUIET_LOGGERS, HelpFormatter
 from specjax.serve.defaults import parse_speculative_config, served_model_name
+from specjax.speculative.defaults import speculative_config_help
 
 log = logging.getLogger("specjax.serve")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m specjax.serve", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                                     formatter_class=HelpFormatter)
     parser.add_argument("--model", default="bundled",
                         help="'bundled' or a local Hugging Face / specjax checkpoint folder")
     parser.add_argument("--served-model-name", default=None,
                         help="the name clients send as 'model' (default: the folder's name; "
                              "the --model value is accepted too)")
-    parser.add_argument("--speculative-config", default=None,
-                        help="'none', JSON (SpeculativeConfig.to_json()) or a file holding it; "
-                             "default: EAGLE-3 with checkpoints/stdlib-eagle3 for the "
-                             "bundled model, none otherwise")
+    parser.add_argument("--speculative-config", default=None, help=speculative_config_help(
+        "EAGLE-3 with the shipped head (bundled-eagle3) for the bundled model, rejection "
+        "sampling for sampled requests; none for other models"))
     parser.add_argument("--host", default="127.0.0.1",
-                        help="address to bind (default loopback only)")
-    parser.add_argument("--port", type=int, default=8000)
+                        help="address to bind (loopback only unless told otherwise)")
+    parser.add_argument("--port", type=int, default=8000, help="port to listen on")
     parser.add_argument("--api-key", default=None,
-                        help="require 'Authorization: Bearer KEY' (default: $SPECJAX_API_KEY; "
-                             "an empty key is an error, not 'no auth')")
+                        help="require 'Authorization: Bearer KEY' (default: $SPECJAX_API_KEY "
+                             "if set, else no key; an empty key is an error, not 'no auth')")
     parser.add_argument("--allowed-hosts", default=None,
                         help="comma-separated Host header names answered, '*' for any "
                              "(default: localhost, 127.0.0.1, [::1], plus the --host address "
                              "if it is not loopback; any host for 0.0.0.0 or ::)")
-    parser.add_argument("--max-batch-size", type=int, default=8)
+    parser.add_argument("--max-batch-size", type=int, default=8,
+                        help="requests decoded together in one step")
     parser.add_argument("--kv-blocks", type=int, default=None,
                         help="KV-cache blocks in the pool (default: room for max-batch-size "
                              "full-length requests)")
-    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="longest prompt + output in tokens (default: the model's "
+                             "max_position_embeddings)")
     parser.add_argument("--max-queue", type=int, default=256,
                         help="requests that may wait for a slot before new ones get 429")
     parser.add_argument("--max-tokens-cap", type=int, default=None,
                         help="largest max_tokens a request may ask for (default: the context)")
-    parser.add_argument("--max-body-bytes", type=int, default=1 << 20)
+    parser.add_argument("--max-body-bytes", type=int, default=1 << 20,
+                        help="largest request body accepted (else 413)")
     parser.add_argument("--max-concurrency", type=int, default=512,
                         help="HTTP requests in flight (streams included) before new ones get "
                              "503; /health and /metrics are exempt")
@@ -62,11 +67,25 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--shutdown-timeout", type=float, default=30.0,
                         help="seconds requests in flight get to finish on shutdown before "
                              "they end with an error")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None)
-    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
+                        help="parameter dtype (default: the checkpoint's)")
+    parser.add_argument("--seed", type=int, default=None,
+                        help="draws the seeds of requests that give none (default: random)")
     parser.add_argument("--log-level", default="info",
-                        choices=("critical", "error", "warning", "info", "debug"))
+                        choices=("critical", "error", "warning", "info", "debug"),
+                        help="server and engine log level")
     return parser
+
+
+def describe(spec) -> str:
+    """The speculation a server runs, for its start-up line."""
+    if spec is None:
+        return "off"
+    drafter = getattr(spec, "speculative_model", None)
+    return (f"{spec.mode.name}, max_draft_len {spec.max_draft_len}"
+            + (f", drafter {drafter}" if isinstance(drafter, str) else "")
+            + (", rejection sampling for sampled requests" if spec.use_rejection_sampling
+               else ""))
 
 
 def api_key_from(flag: str | None, environ: Mapping[str, str]) -> str | None:
@@ -83,6 +102,9 @@ def api_key_from(flag: str | None, environ: Mapping[str, str]) -> str | None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    if args.log_level != "debug":
+        for name in QUIET_LOGGERS:
+            logging.getLogger(name).setLevel(logging.WARNING)
     # Imported here so --help answers without loading JAX.
     from specjax.llm import LLM
     from specjax.serve.app import ServerSettings, create_app
@@ -107,15 +129,15 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
         llm = LLM(args.model, dtype=args.dtype, max_batch_size=args.max_batch_size,
                   max_model_len=args.max_model_len, num_kv_blocks=args.kv_blocks,
-                  seed=args.seed, speculative_config=spec)
+                  seed=args.seed, speculative_config=spec, warmup=True)
         app = create_app(llm, settings)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if not is_loopback(args.host) and api_key is None:
         log.warning("binding %s without --api-key: anyone who can reach it can use it", args.host)
-    log.info("serving %r (speculation: %s) on http://%s:%d", names[0],
-             spec.mode.name if spec else "off", args.host, args.port)
+    log.info("serving %r (speculation: %s) on http://%s:%d", names[0], describe(spec),
+             args.host, args.port)
     server = build_server(app, host=args.host, port=args.port, log_level=args.log_level)
     try:
         server.run()

@@ -15,7 +15,12 @@ import sys
 import time
 from typing import Any
 
-import httpx
+try:
+    import httpx
+except ImportError:  # the `loadtest` extra; main() says so before doing anything
+    httpx = None
+
+from specjax.cli import HelpFormatter, require
 
 
 @dataclasses.dataclass
@@ -121,18 +126,22 @@ def format_summary(s: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m specjax.serve.loadtest", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--url", default="http://127.0.0.1:8000")
-    parser.add_argument("--clients", type=int, default=32)
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--model", default=None, help="default: the first of /v1/models")
+                                     formatter_class=HelpFormatter)
+    parser.add_argument("--url", default="http://127.0.0.1:8000", help="the server")
+    parser.add_argument("--clients", type=int, default=32,
+                        help="concurrent streaming requests, one per client")
+    parser.add_argument("--max-tokens", type=int, default=64, help="tokens each request asks for")
+    parser.add_argument("--model", default=None, help="the model to ask for (default: the first of /v1/models)")
     parser.add_argument("--prompt", default="def function_{i}(x):",
                         help="'{i}' becomes the client's index")
-    parser.add_argument("--api-key", default=os.environ.get("SPECJAX_API_KEY"))
+    parser.add_argument("--api-key", default=os.environ.get("SPECJAX_API_KEY"),
+                        help="sent as a bearer token (from $SPECJAX_API_KEY when set)")
     parser.add_argument("--no-ignore-eos", action="store_true",
                         help="let requests stop at EOS (then token counts vary)")
-    parser.add_argument("--timeout", type=float, default=600.0)
+    parser.add_argument("--timeout", type=float, default=600.0,
+                        help="seconds each request may take")
     args = parser.parse_args(argv)
+    require("python -m specjax.serve.loadtest", "httpx")
     if args.clients < 1 or args.max_tokens < 1:
         parser.error("--clients and --max-tokens must be >= 1")
     results, elapsed = asyncio.run(run_load(

@@ -10,6 +10,7 @@ import math
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST
+from prometheus_client.core import GaugeMetricFamily
 
 from specjax.engine.request import RequestOutput
 from specjax.serve.engine_thread import EngineFailure, EngineThread, Event, Submission
@@ -58,8 +59,9 @@ class ServerMetrics:
              "far", lambda: snap().num_preemptions),
             ("specjax_engine_failed_requests", "Requests the engine finished with an error "
              "(their own fault, or the device's), so far", lambda: snap().num_failed_requests),
-            ("specjax_spec_acceptance_length", "Tokens per decoding iteration of requests "
-             "with drafts (NaN before any draft)", lambda: _nan_if_none(snap().acceptance_length)),
+            ("specjax_spec_acceptance_length", "(accepted drafts + n) / n over the n "
+             "request-steps that verified drafts (NaN before any draft)",
+             lambda: _nan_if_none(snap().acceptance_length)),
             ("specjax_spec_acceptance_rate", "Accepted / verified draft tokens (NaN before "
              "any draft)", lambda: _nan_if_none(snap().acceptance_rate)),
             ("specjax_spec_draft_overhead", "Host drafting time / step time (NaN before any "
@@ -68,6 +70,7 @@ class ServerMetrics:
             gauge = Gauge(name, doc, registry=self.registry)
             gauge.set_function(read)
             self._gauges[name] = gauge
+        self.registry.register(_PerPosition(snap))
 
     def observe_finished(self, sub: Submission, event: Event | None) -> None:
         if event is None:
@@ -88,3 +91,22 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _PerPosition:
+    """specjax_spec_acceptance_per_position{position="k"}: AR_k, the share of request-steps
+    with drafts that accepted at least k (one series per draft position verified so far)."""
+
+    def __init__(self, snap):
+        self._snap = snap
+
+    def describe(self):
+        return [GaugeMetricFamily("specjax_spec_acceptance_per_position", "")]
+
+    def collect(self):
+        family = GaugeMetricFamily(
+            "specjax_spec_acceptance_per_position", "Share of request-steps with drafts that "
+            "accepted at least `position` of them (AR_k)", labels=["position"])
+        for k, rate in enumerate(self._snap().acceptance_per_position, start=1):
+            family.add_metric([str(k)], rate)
+        yield family

@@ -31,8 +31,12 @@ import tempfile
 import time
 from typing import Any
 
-import httpx
+try:
+    import httpx
+except ImportError:  # the `loadtest` extra; main() says so before doing anything
+    httpx = None
 
+from specjax.cli import HelpFormatter, require
 from specjax.serve.loadtest import StreamResult, percentile, stream_completion
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
@@ -510,25 +514,33 @@ def format_table(report: SoakReport, spawned: bool) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m specjax.serve.soak", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                                     formatter_class=HelpFormatter)
     target = parser.add_mutually_exclusive_group(required=True)
     target.add_argument("--url", help="a running server")
     target.add_argument("--spawn", action="store_true", help="start `python -m specjax.serve`")
-    parser.add_argument("--api-key", default=os.environ.get("SPECJAX_API_KEY"))
+    parser.add_argument("--api-key", default=os.environ.get("SPECJAX_API_KEY"),
+                        help="of a --url server (from $SPECJAX_API_KEY when set); a spawned "
+                             "server gets a random one")
     parser.add_argument("--server-args", default="--kv-blocks 66",
                         help="more arguments of the spawned server (default: a KV pool that "
                              "holds one full-length request of the bundled model)")
-    parser.add_argument("--duration", type=float, default=600.0)
-    parser.add_argument("--clients", type=int, default=32)
-    parser.add_argument("--max-tokens-cap", type=int, default=300)
+    parser.add_argument("--duration", type=float, default=600.0,
+                        help="seconds the clients keep sending requests")
+    parser.add_argument("--clients", type=int, default=32, help="concurrent clients")
+    parser.add_argument("--max-tokens-cap", type=int, default=300,
+                        help="largest max_tokens a request draws")
     parser.add_argument("--prompts", type=int, default=16, help="size of the prompt pool")
     parser.add_argument("--seeds", type=int, default=2, help="size of the request seed pool")
     parser.add_argument("--seed", type=int, default=0, help="of the clients' random choices")
-    parser.add_argument("--request-timeout", type=float, default=300.0)
-    parser.add_argument("--startup-timeout", type=float, default=300.0)
-    parser.add_argument("--shutdown-timeout", type=float, default=60.0)
+    parser.add_argument("--request-timeout", type=float, default=300.0,
+                        help="seconds a request may take before it counts as lost")
+    parser.add_argument("--startup-timeout", type=float, default=300.0,
+                        help="seconds a spawned server may take to answer /health")
+    parser.add_argument("--shutdown-timeout", type=float, default=60.0,
+                        help="seconds a spawned server may take to exit after SIGTERM")
     parser.add_argument("--json", default=None, help="also write the figures to this file")
     args = parser.parse_args(argv)
+    require("python -m specjax.serve.soak", "httpx")
     if min(args.clients, args.max_tokens_cap, args.prompts, args.seeds) < 1 or args.duration < 0:
         parser.error("--clients, --max-tokens-cap, --prompts and --seeds must be >= 1")
     server = SpawnedServer(shlex.split(args.server_args)) if args.spawn else None

@@ -6,30 +6,57 @@ import json
 import os
 from pathlib import Path
 
-from specjax.models.registry import CHECKPOINTS_DIR
+from specjax.models.registry import BUNDLED, CHECKPOINTS_DIR
 from specjax.speculative.config import (DraftTargetConfig, EagleConfig, MTPConfig, NGramConfig,
                                         SpeculativeConfig)
+from specjax.speculative.modes import MODE_NAMES, SpeculativeDecodingMode
 
-BUNDLED_DRAFT = "stdlib-draft"
-BUNDLED_EAGLE3 = "stdlib-eagle3"
-BUNDLED_MTP = "stdlib-mtp"
+M = SpeculativeDecodingMode
+# The names `speculative_model` takes for the drafters shipped with the bundled target
+# (`specjax.models.registry.resolve_model_path` resolves them from any directory).
+BUNDLED_DRAFT = "bundled-draft"
+BUNDLED_EAGLE3 = "bundled-eagle3"
+BUNDLED_MTP = "bundled-mtp"
+# The drafter each mode reads when the target is the bundled model and none is named.
+SHIPPED_FOR_MODE = {M.DRAFT_TARGET_ONE_MODEL: BUNDLED_DRAFT, M.EAGLE3_ONE_MODEL: BUNDLED_EAGLE3,
+                    M.MTP: BUNDLED_MTP}
+
+# One example per mode that --speculative-config takes by name (CLI help).
+EXAMPLES = {
+    "ngram": '{"mode": "ngram", "max_draft_len": 4, "max_matching_ngram_size": 3}',
+    "draft_target": '{"mode": "draft_target", "max_draft_len": 4, '
+                    '"speculative_model": "bundled-draft"}',
+    "eagle3": '{"mode": "eagle3", "max_draft_len": 4, "speculative_model": "bundled-eagle3"}',
+    "mtp": '{"mode": "mtp", "max_draft_len": 3, "num_nextn_predict_layers": 3, '
+           '"speculative_model": "bundled-mtp"}',
+    "save_hidden_states": '{"mode": "save_hidden_states", "output_directory": "hs"}',
+}
 
 
-def shipped(name: str) -> Path | None:
-    """The folder of a drafter shipped in `checkpoints/`, or None when it is absent."""
-    folder = CHECKPOINTS_DIR / name
-    return folder if (folder / "config.json").exists() else None
+def is_bundled(model: str | os.PathLike) -> bool:
+    return str(model) == "bundled"
+
+
+def shipped(name: str) -> str | None:
+    """`name` ("bundled-eagle3", ...) when that drafter ships in `checkpoints/`, else None."""
+    return name if (CHECKPOINTS_DIR / BUNDLED[name] / "config.json").exists() else None
+
+
+def _mtp_modules(name: str) -> int:
+    return json.loads((CHECKPOINTS_DIR / BUNDLED[name] / "config.json").read_text())[
+        "num_nextn_predict_layers"]
 
 
 def default_speculative_config(model: str | os.PathLike) -> SpeculativeConfig | None:
     """The fastest mode shipped for `model` (`python -m specjax.bench spec`): for the bundled
     target, EAGLE-3 with its trained head, else draft-target with the draft model (whichever
-    folder exists); none for other models."""
-    if str(model) == "bundled":
+    is shipped); none for other models. Sampled requests use rejection sampling (the in-step
+    drafters' default)."""
+    if is_bundled(model):
         if head := shipped(BUNDLED_EAGLE3):
-            return EagleConfig(max_draft_len=4, speculative_model=str(head))
+            return EagleConfig(max_draft_len=4, speculative_model=head)
         if draft := shipped(BUNDLED_DRAFT):
-            return DraftTargetConfig(max_draft_len=4, speculative_model=str(draft))
+            return DraftTargetConfig(max_draft_len=4, speculative_model=draft)
     return None
 
 
@@ -39,32 +66,83 @@ def shipped_configs(max_draft_len: int) -> list[SpeculativeConfig]:
     D = max_draft_len
     configs: list[SpeculativeConfig] = [NGramConfig(max_draft_len=D, max_matching_ngram_size=3)]
     if draft := shipped(BUNDLED_DRAFT):
-        configs.append(DraftTargetConfig(max_draft_len=D, speculative_model=str(draft)))
+        configs.append(DraftTargetConfig(max_draft_len=D, speculative_model=draft))
     if head := shipped(BUNDLED_EAGLE3):
-        configs.append(EagleConfig(max_draft_len=D, speculative_model=str(head)))
+        configs.append(EagleConfig(max_draft_len=D, speculative_model=head))
     if mtp := shipped(BUNDLED_MTP):
-        n = json.loads((mtp / "config.json").read_text())["num_nextn_predict_layers"]
+        n = _mtp_modules(mtp)
         configs.append(MTPConfig(max_draft_len=min(D, n), num_nextn_predict_layers=n,
-                                 use_mtp_vanilla=True, speculative_model=str(mtp)))
+                                 use_mtp_vanilla=True, speculative_model=mtp))
     return configs
+
+
+def with_shipped_drafter(config: SpeculativeConfig | None,
+                         model: str | os.PathLike) -> SpeculativeConfig | None:
+    """For the bundled target, a config that names no drafter gets the one shipped for its
+    mode; anything else is returned unchanged."""
+    if (config is None or not is_bundled(model)
+            or getattr(config, "speculative_model", "n/a") is not None
+            or config.mode not in SHIPPED_FOR_MODE):
+        return config
+    return SpeculativeConfig.from_dict(_fill_shipped(config.to_dict(), model))
+
+
+def _fill_shipped(data: dict, model: str | os.PathLike) -> dict:
+    """A config dict naming no drafter, for the bundled target: the shipped drafter of its
+    mode (for MTP also the module count, and a draft length it allows unless given)."""
+    if not is_bundled(model) or data.get("speculative_model") is not None:
+        return data
+    try:
+        mode = SpeculativeDecodingMode.parse(data.get("mode"))
+    except ValueError:
+        return data  # from_dict names the problem
+    name = SHIPPED_FOR_MODE.get(mode)
+    if name is None or shipped(name) is None:
+        return data
+    data = {**data, "speculative_model": name}
+    if mode is M.MTP:
+        n = _mtp_modules(name)
+        data.setdefault("num_nextn_predict_layers", n)
+        data.setdefault("max_draft_len", min(n, 4))
+    return data
 
 
 def parse_speculative_config(value: str | None,
                              model: str | os.PathLike) -> SpeculativeConfig | None:
-    """--speculative-config: unset -> the default for `model`; "none" -> off; JSON text
-    (`SpeculativeConfig.to_json()`'s format) or a file holding it."""
+    """--speculative-config: unset -> the default for `model`; "none" -> off; a mode name
+    ("ngram", "eagle3", "draft_target", "mtp", ...: that mode's defaults); JSON
+    (`SpeculativeConfig.to_json()`'s format, "mode" an integer or a name) or a file holding it.
+    For the bundled target, a config naming no drafter gets the shipped one."""
     if value is None:
         return default_speculative_config(model)
-    if value.strip().lower() == "none":
+    text = value.strip()
+    if text.lower() == "none":
         return None
-    text = value
-    if not value.lstrip().startswith("{"):
-        path = Path(value).expanduser()
-        if not path.is_file():
-            raise ValueError(f"--speculative-config: {value!r} is neither 'none', JSON, nor a "
-                             "file")
-        text = path.read_text()
+    if text.lower().replace("-", "_") in MODE_NAMES or text.isdigit():
+        data = {"mode": text}
+    else:
+        if not text.startswith("{"):
+            path = Path(value).expanduser()
+            if not path.is_file():
+                raise ValueError(f"--speculative-config: {value!r} is neither 'none', a mode "
+                                 f"name ({', '.join(EXAMPLES)}, ...), JSON, nor a file")
+            text = path.read_text()
+        try:
+            data = json.loads(text)
+        except ValueError as e:
+            raise ValueError(f"--speculative-config: not JSON: {e}") from None
+        if not isinstance(data, dict):
+            raise ValueError("--speculative-config: JSON must be an object with a \"mode\"")
     try:
-        return SpeculativeConfig.from_json(text)
-    except ValueError as e:  # json.JSONDecodeError is a ValueError too
+        return SpeculativeConfig.from_dict(_fill_shipped(data, model))
+    except (ValueError, TypeError) as e:
         raise ValueError(f"--speculative-config: {e}") from None
+
+
+def speculative_config_help(default: str) -> str:
+    """The --speculative-config help every CLI shows: the forms it takes and one example
+    per mode."""
+    examples = "; ".join(f"{name}: '{example}'" for name, example in EXAMPLES.items())
+    return (f"'none', a mode name ({', '.join(EXAMPLES)}, ... -- that mode's defaults, with "
+            f"the shipped drafter for the bundled model), JSON with \"mode\" as a name or "
+            f"integer, or a file holding it (default: {default}). Examples: {examples}")

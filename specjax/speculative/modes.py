@@ -26,6 +26,22 @@ class SpeculativeDecodingMode(enum.IntEnum):
     NONE = 15
     AUTO = 16
 
+    @classmethod
+    def parse(cls, value: "int | str | SpeculativeDecodingMode") -> "SpeculativeDecodingMode":
+        """A mode from its integer, its name or a short name, any case, '-' for '_' (5, "5",
+        "EAGLE3_ONE_MODEL", "eagle3", "draft-target", ...)."""
+        if isinstance(value, cls):
+            return value
+        key = value.strip().lower().replace("-", "_") if isinstance(value, str) else None
+        if key in MODE_NAMES:
+            return MODE_NAMES[key]
+        number = value if isinstance(value, int) and not isinstance(value, bool) else (
+            int(key) if key is not None and key.isdigit() else None)
+        if number in cls._value2member_map_:
+            return cls(number)
+        raise ValueError(f"unknown speculative decoding mode {value!r}: use one of "
+                         f"{', '.join(sorted(MODE_NAMES))} or the mode's integer")
+
     def use_one_engine(self) -> bool:
         """Drafter and target run inside one jitted step."""
         return self in _ONE_ENGINE
@@ -55,3 +71,13 @@ _ONE_ENGINE = frozenset({
     SpeculativeDecodingMode.PARD, SpeculativeDecodingMode.DFLASH,
     SpeculativeDecodingMode.DSPARK, SpeculativeDecodingMode.DRAFT_TARGET_ONE_MODEL,
 })
+
+
+# Short names (what `--speculative-config NAME` and `{"mode": "NAME"}` take); every full enum
+# name is accepted too (lower case).
+MODE_NAMES: dict[str, SpeculativeDecodingMode] = {
+    **{m.name.lower(): m for m in SpeculativeDecodingMode},
+    "eagle3": SpeculativeDecodingMode.EAGLE3_ONE_MODEL,
+    "mtp_eagle": SpeculativeDecodingMode.MTP_EAGLE_ONE_MODEL,
+    "draft_target": SpeculativeDecodingMode.DRAFT_TARGET_ONE_MODEL,
+}

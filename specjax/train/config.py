@@ -51,6 +51,29 @@ def make_optimizer(tc: TrainConfig) -> optax.GradientTransformation:
     )
 
 
+# The help of each TrainConfig field's flag.
+TRAIN_HELP = {
+    "steps": "optimizer steps in all; may change when resuming (the cosine decay re-stretches "
+             "from the resumed step on)",
+    "batch_size": "sequences per step",
+    "seq_len": "tokens per sequence",
+    "lr": "peak learning rate, reached after the warm-up",
+    "min_lr_ratio": "the cosine decay ends at lr x this",
+    "warmup": "steps of linear learning-rate warm-up from 0",
+    "weight_decay": "AdamW weight decay (norm gains are not decayed)",
+    "b1": "AdamW beta1",
+    "b2": "AdamW beta2",
+    "clip_norm": "clip the gradients to this global norm",
+    "seed": "seed of the initial weights and of the batch order",
+    "log_every": "log the loss (a line, or the progress bar's fields) every this many steps",
+    "eval_every": "validate every this many steps and at the last",
+    "eval_windows": "validation windows of the periodic validation (the final evaluation at "
+                    "export has its own)",
+    "save_every": "save an orbax checkpoint (the point a rerun resumes from) every this many "
+                  "steps",
+}
+
+
 def add_train_arguments(p: argparse.ArgumentParser, defaults: dict | None = None) -> None:
     """One `--flag` per TrainConfig field, in a "training" group; `defaults` overrides the
     dataclass defaults (a recipe's own)."""
@@ -58,7 +81,7 @@ def add_train_arguments(p: argparse.ArgumentParser, defaults: dict | None = None
     t = p.add_argument_group("training")
     for field in dataclasses.fields(TrainConfig):
         t.add_argument("--" + field.name.replace("_", "-"), type=type(field.default),
-                       default=defaults.get(field.name, field.default))
+                       default=defaults.get(field.name, field.default), help=TRAIN_HELP[field.name])
 
 
 def train_config_from_args(args: argparse.Namespace) -> TrainConfig:

@@ -18,8 +18,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", type=Path, required=True,
                    help="folder with config.json, model.safetensors, tokenizer.json, corpus_manifest.json")
     p.add_argument("--seq-len", type=int, default=256, help="evaluation window length (tokens)")
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--max-windows", type=int, default=None, help="evaluate only the first N windows")
+    p.add_argument("--batch-size", type=int, default=8, help="windows per forward pass")
+    p.add_argument("--max-windows", type=int, default=None,
+                   help="evaluate only the first N windows (default: all of them)")
 
 
 def validation_stream(folder: Path) -> tuple[Tokenizer, np.ndarray]:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import sys
 import time
+import warnings
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -19,6 +21,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 from specjax.train.config import TrainConfig, lr_schedule
 from specjax.train.workdir import (LOG_NAME, checkpoint_manager, load_log, restore_or_init,
@@ -31,12 +34,41 @@ class LogFormat:
 
     `fields(metrics, s_per_step)`: the interval's step metrics (on the host) and seconds per step
     (None for the first interval, which includes compilation) -> the trainer's own entry fields.
-    `postfix(entry)`: the progress bar's fields. `line(entry)`: a line printed per log entry
-    when no live bar shows progress (None: print nothing)."""
+    `postfix(entry)`: the progress bar's fields. `line(entry)`: the line printed per log entry
+    (after "step N/M") when no bar shows progress (None: the loss and the elapsed time). Both
+    leave out a rate the entry does not have yet rather than show None or 0."""
 
     fields: Callable[[list[dict], float | None], dict]
     postfix: Callable[[dict], dict]
     line: Callable[[dict], str] | None = None
+
+
+def _default_line(entry: dict) -> str:
+    return f"loss {entry['loss']:.4f} elapsed {entry['elapsed_s']:.0f}s"
+
+
+def _say(message: str) -> None:
+    """A report line on stdout; while a bar is drawn, tqdm clears it, writes the line and redraws
+    it below, so the line never lands on the bar's own line."""
+    tqdm.write(message)
+    sys.stdout.flush()
+
+
+@contextmanager
+def _through_bar():
+    """While a bar is live, log records (of the root logger's console handlers, which the train
+    CLI sets up) and warnings are written through tqdm as well."""
+    def show(message, category, filename, lineno, file=None, line=None):
+        text = warnings.formatwarning(message, category, filename, lineno, line)
+        tqdm.write(text.rstrip("\n"), file=file or sys.stderr)
+
+    shown = warnings.showwarning
+    warnings.showwarning = show
+    try:
+        with logging_redirect_tqdm(tqdm_class=tqdm):
+            yield
+    finally:
+        warnings.showwarning = shown
 
 
 def run_training(state: Any, train_step: Callable, batch_fn: Callable[[int], Any],
@@ -58,43 +90,50 @@ def run_training(state: Any, train_step: Callable, batch_fn: Callable[[int], Any
     log_path = work / LOG_NAME
     entries = load_log(log_path, start)
     if start:
-        tqdm.write(f"resuming from step {start} ({work / 'orbax'})")
+        _say(f"resuming from step {start} ({work / 'orbax'})")
     end = tc.steps if stop_after is None else min(tc.steps, stop_after)
     pending, last_time, last_step = [], None, start
     elapsed = wall_seconds(entries) or 0.0
     mark = time.perf_counter()
-    bar = tqdm(range(start, end), initial=start, total=tc.steps, disable=not progress,
-               mininterval=1.0 if sys.stderr.isatty() else 30.0, dynamic_ncols=True)
-    for step in bar:
-        state, metrics = train_step(state, batch_fn(step))
-        pending.append(metrics)
-        done = step + 1
-        if done % tc.log_every == 0 or done == end:
-            # One host sync per log interval; the first interval includes compilation, so
-            # throughput is timed from the first log point on.
-            got = jax.device_get(pending)
-            now = time.perf_counter()
-            s_step = (now - last_time) / (done - last_step) if last_time else None
-            last_time, last_step = now, done
-            elapsed, mark = elapsed + now - mark, now
-            losses = [float(m["loss"]) for m in got]
-            entries.append({"step": done, "loss": float(np.mean(losses)), "step_losses": losses,
-                            "grad_norm": float(got[-1]["grad_norm"]),
-                            "lr": float(lr_schedule(tc)(done - 1)),
-                            "tokens": done * tc.tokens_per_step, **log.fields(got, s_step),
-                            "elapsed_s": elapsed})
-            pending = []
-            bar.set_postfix(**log.postfix(entries[-1]), refresh=False)
-            if log.line is not None and (not progress or not sys.stderr.isatty()):
-                print(f"step {done}/{tc.steps} {log.line(entries[-1])}", flush=True)
-        if evaluate is not None and (done % tc.eval_every == 0 or done == tc.steps):
-            val, message = evaluate(state)
-            entries.append({"step": done, **val})
-            tqdm.write(f"step {done}: {message}")
-            last_time = time.perf_counter()  # do not charge evaluation to training throughput
-        if done % tc.save_every == 0 or done == end:
-            mgr.save(done, args=ocp.args.StandardSave(state))
-            write_log(log_path, entries, meta)
+    # A bar only on a terminal: redrawn with carriage returns into a file or pipe it would run
+    # into the report lines, so there each log interval prints a line instead.
+    live = progress and sys.stderr.isatty()
+    line = log.line or _default_line
+    with (_through_bar() if live else nullcontext()), tqdm(
+            total=tc.steps, initial=start, disable=not live, mininterval=1.0,
+            dynamic_ncols=True) as bar:
+        for step in range(start, end):
+            state, metrics = train_step(state, batch_fn(step))
+            pending.append(metrics)
+            done = step + 1
+            if done % tc.log_every == 0 or done == end:
+                # One host sync per log interval; the first interval includes compilation, so
+                # throughput is timed from the first log point on.
+                got = jax.device_get(pending)
+                now = time.perf_counter()
+                s_step = (now - last_time) / (done - last_step) if last_time else None
+                last_time, last_step = now, done
+                elapsed, mark = elapsed + now - mark, now
+                losses = [float(m["loss"]) for m in got]
+                entries.append({"step": done, "loss": float(np.mean(losses)),
+                                "step_losses": losses, "grad_norm": float(got[-1]["grad_norm"]),
+                                "lr": float(lr_schedule(tc)(done - 1)),
+                                "tokens": done * tc.tokens_per_step, **log.fields(got, s_step),
+                                "elapsed_s": elapsed})
+                pending = []
+                if live:
+                    bar.set_postfix(**log.postfix(entries[-1]), refresh=False)
+                else:
+                    _say(f"step {done}/{tc.steps} {line(entries[-1])}")
+            bar.update(1)
+            if evaluate is not None and (done % tc.eval_every == 0 or done == tc.steps):
+                val, message = evaluate(state)
+                entries.append({"step": done, **val})
+                _say(f"step {done}: {message}")
+                last_time = time.perf_counter()  # do not charge evaluation to training throughput
+            if done % tc.save_every == 0 or done == end:
+                mgr.save(done, args=ocp.args.StandardSave(state))
+                write_log(log_path, entries, meta)
     mgr.wait_until_finished()
     mgr.close()
     write_log(log_path, entries, meta)

@@ -64,6 +64,24 @@ def _meta(model_cfg: ModelConfig, tc: TrainConfig) -> dict:
     return {"model_config": dataclasses.asdict(model_cfg), "train_config": dataclasses.asdict(tc)}
 
 
+def target_log_format(tc: TrainConfig) -> LogFormat:
+    """Loss and tokens/s; the first interval includes compilation, so it shows no rate."""
+
+    def postfix(e: dict) -> dict:
+        shown = {"loss": f"{e['loss']:.3f}"}
+        if e["tokens_per_s"] is not None:
+            shown["tok_s"] = f"{e['tokens_per_s']:.0f}"
+        return shown
+
+    def line(e: dict) -> str:
+        rate = "" if e["tokens_per_s"] is None else f" tok/s {e['tokens_per_s']:.0f}"
+        return f"loss {e['loss']:.4f}{rate} elapsed {e['elapsed_s']:.0f}s"
+
+    return LogFormat(
+        fields=lambda got, s_step: {"tokens_per_s": tc.tokens_per_step / s_step if s_step else None},
+        postfix=postfix, line=line)
+
+
 def train(model_cfg: ModelConfig, tc: TrainConfig, train_stream: np.ndarray, val_stream: np.ndarray,
           work: Path, stop_after: int | None = None, progress: bool = True) -> tuple[nnx.Module, list[dict]]:
     """Train (or resume) to `tc.steps`; returns the model and the log entries.
@@ -78,9 +96,7 @@ def train(model_cfg: ModelConfig, tc: TrainConfig, train_stream: np.ndarray, val
         val_loss = loss_over_windows(nnx.merge(graphdef, state["params"]), val)
         return {"val_loss": val_loss}, f"val_loss {val_loss:.4f} (first {len(val)} windows)"
 
-    log = LogFormat(
-        fields=lambda got, s_step: {"tokens_per_s": tc.tokens_per_step / s_step if s_step else None},
-        postfix=lambda e: {"loss": f"{e['loss']:.3f}", "tok_s": f"{e['tokens_per_s'] or 0:.0f}"})
+    log = target_log_format(tc)
 
     def batch(step: int) -> jax.Array:
         return jnp.asarray(data.batch_for_step(train_stream, tc.seed, step, tc.batch_size, tc.seq_len))
@@ -98,24 +114,32 @@ def train(model_cfg: ModelConfig, tc: TrainConfig, train_stream: np.ndarray, val
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", type=Path, required=True, help="export folder, e.g. checkpoints/<name>")
     m = p.add_argument_group("model")
-    m.add_argument("--vocab-size", type=int, default=4096)
-    m.add_argument("--d-model", type=int, default=256)
-    m.add_argument("--layers", type=int, default=8)
-    m.add_argument("--heads", type=int, default=8)
-    m.add_argument("--kv-heads", type=int, default=4)
-    m.add_argument("--head-dim", type=int, default=32)
+    m.add_argument("--vocab-size", type=int, default=4096,
+                   help="BPE vocabulary of the tokenizer trained on the corpus (none is trained "
+                        "when --out already holds tokenizer.json: a resumed run or a draft "
+                        "keeps that one)")
+    m.add_argument("--d-model", type=int, default=256, help="hidden size")
+    m.add_argument("--layers", type=int, default=8, help="decoder layers")
+    m.add_argument("--heads", type=int, default=8, help="attention (query) heads")
+    m.add_argument("--kv-heads", type=int, default=4, help="key/value heads (grouped-query attention)")
+    m.add_argument("--head-dim", type=int, default=32, help="width of each attention head")
     m.add_argument("--ffn", type=int, default=704, help="MLP intermediate size")
-    m.add_argument("--max-position", type=int, default=1024)
-    m.add_argument("--rope-theta", type=float, default=10000.0)
+    m.add_argument("--max-position", type=int, default=1024,
+                   help="longest sequence the model is configured for (config.json's "
+                        "max_position_embeddings)")
+    m.add_argument("--rope-theta", type=float, default=10000.0, help="RoPE base frequency")
     m.add_argument("--dtype", default="float32", help="parameter/compute dtype while training")
     add_train_arguments(p)
     r = p.add_argument_group("run control")
     r.add_argument("--resume", action="store_true",
                    help="require a saved step to resume from (a run always resumes when one exists)")
     r.add_argument("--restart", action="store_true", help="discard saved steps, tokenizer and manifest")
-    r.add_argument("--stop-after", type=int, default=None, help="stop after this many steps (resumable)")
+    r.add_argument("--stop-after", type=int, default=None,
+                   help="stop after this many steps (resumable); default: run to --steps")
     r.add_argument("--export-dtype", default="float32", help="dtype of the exported model.safetensors")
-    r.add_argument("--no-progress", action="store_true")
+    r.add_argument("--no-progress", action="store_true",
+                   help="no progress bar: print a line per log interval (also what happens when "
+                        "stderr is not a terminal)")
 def prepare_corpus(out: Path, vocab_size: int) -> tuple[Tokenizer, dict, np.ndarray, np.ndarray]:
     """-> (tokenizer, manifest, train `[N]`, val `[M]`). A resumed run reuses the saved manifest and
     tokenizer, so its data are the ones the interrupted run used."""

@@ -76,7 +76,7 @@ SPECS = {
 def test_contexts_across_widths_are_exact(mode, long_model, prompts_and_refs):
     prompts, refs = prompts_and_refs
     llm = specjax.LLM(long_model, speculative_config=SPECS[mode](long_model), max_batch_size=4,
-                      tokens_per_block=16, prefill_chunk=64, progress=False)
+                      tokens_per_block=16, prefill_chunk=64, progress=False, warmup=True)
     params = SamplingParams(max_tokens=MAX_TOKENS)
     with count_compilations() as compiled:
         for batch in ([0], [1], [2], [3], [0, 1], [0, 3], [0, 1, 2, 3]):

@@ -58,6 +58,29 @@ def test_no_compilation_after_warmup(tiny_llm):
         assert compiled() == 0
 
 
+def test_lazy_llm_compiles_what_it_uses_and_warmup_the_rest(tiny_model, references):
+    """Without warmup=True an LLM compiles a shape when a batch first needs it: repeating a
+    run compiles nothing, `warmup()` compiles the shapes not used yet, and after it mixed
+    batches compile nothing."""
+    params = SamplingParams(max_tokens=12)
+    with count_compilations() as compiled:
+        llm = specjax.LLM(tiny_model, max_batch_size=4, tokens_per_block=4, prefill_chunk=8,
+                          max_prefill_rows=2, progress=False)
+        built = compiled()  # the state's arrays; no step yet
+        assert llm.generate(PROMPTS[0], params)[0].token_ids == references[tuple(PROMPTS[0])]
+        first = compiled()
+        assert first > built
+        llm.generate(PROMPTS[0], params)
+        assert compiled() == first
+        llm.warmup()
+        assert compiled() > first  # buckets 2 and 4 and the two-row prefill were left
+        warmed = compiled()
+        for n in (3, 1, 6, 2):
+            outs = llm.generate(PROMPTS[:n], params)
+            assert [o.token_ids for o in outs] == [references[tuple(p)] for p in PROMPTS[:n]]
+        assert compiled() == warmed
+
+
 def test_seeded_request_is_batch_invariant(tiny_llm):
     params = SamplingParams(max_tokens=10, temperature=1.0, top_p=0.9, seed=42)
     alone = tiny_llm.generate([PROMPTS[2]], params)[0].token_ids

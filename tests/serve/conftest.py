@@ -35,7 +35,8 @@ def live(bundled_tokenizer):
     spec = specjax.DraftTargetConfig(max_draft_len=2, speculative_model=draft)
     # 4 slots for 32 clients: most wait in the engine's queue.
     llm = specjax.LLM(model, tokenizer=bundled_tokenizer, max_batch_size=4, tokens_per_block=8,
-                      prefill_chunk=16, speculative_config=spec, progress=False, seed=0)
+                      prefill_chunk=16, speculative_config=spec, progress=False, seed=0,
+                      warmup=True)  # as the server does: no request waits on a compile
     # The reference, from the same LLM before the engine thread owns it.
     greedy = specjax.SamplingParams(max_tokens=REFERENCE_MAX_TOKENS)
     reference = dict(zip(REFERENCE_PROMPTS, llm.generate(REFERENCE_PROMPTS, greedy)))

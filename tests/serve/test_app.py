@@ -343,6 +343,12 @@ def test_metrics_report_tokens_and_speculation(server, client):
     # Draft-target is on: drafts were verified, so acceptance figures are real numbers.
     assert m["specjax_spec_acceptance_length"] >= 1.0
     assert 0.0 <= m["specjax_spec_acceptance_rate"] <= 1.0
+    # AR_k per draft position (D = 2 here): non-increasing, and AL = 1 + sum of AR_k.
+    per_position = [m[f'specjax_spec_acceptance_per_position{{position="{k}"}}']
+                    for k in (1, 2)]
+    assert 1.0 >= per_position[0] >= per_position[1] >= 0.0
+    assert m["specjax_spec_acceptance_length"] == pytest.approx(1 + sum(per_position))
+    assert 'specjax_spec_acceptance_per_position{position="3"}' not in m
     assert m["specjax_spec_draft_overhead"] >= 0.0
     assert m["specjax_time_to_first_token_seconds_count"] >= 1
     assert m["specjax_preemptions"] >= 0 and m["specjax_engine_failed_requests"] >= 0

@@ -17,17 +17,21 @@ from flax import nnx
 from live_server import TINY_SERVE
 
 from specjax.models import Llama, save_hf_checkpoint
-from specjax.models.registry import BUNDLED_TARGET, CHECKPOINTS_DIR
+from specjax.models.registry import BUNDLED_TARGET, CHECKPOINTS_DIR, resolve_model_path
 from specjax.serve import __main__ as cli
 from specjax.serve.defaults import (default_speculative_config, parse_speculative_config,
                                     served_model_name)
-from specjax.speculative.config import EagleConfig, NGramConfig
+from specjax.speculative.config import DraftTargetConfig, EagleConfig, MTPConfig, NGramConfig
+from specjax.speculative.defaults import EXAMPLES
 
 
 def test_default_speculation_is_eagle3_for_the_bundled_model(tmp_path):
     spec = default_speculative_config("bundled")
     assert isinstance(spec, EagleConfig) and spec.max_draft_len == 4
-    assert spec.speculative_model == str(CHECKPOINTS_DIR / "stdlib-eagle3")
+    assert spec.speculative_model == "bundled-eagle3"  # resolves from any directory
+    assert resolve_model_path(spec.speculative_model) == CHECKPOINTS_DIR / "stdlib-eagle3"
+    # Sampled requests (OpenAI's default temperature is 1) accept by rejection sampling.
+    assert spec.use_rejection_sampling is True
     assert default_speculative_config(tmp_path) is None
     assert parse_speculative_config(None, "bundled") == spec
     assert parse_speculative_config("none", "bundled") is None
@@ -39,10 +43,53 @@ def test_speculative_config_from_json_or_file(tmp_path):
     path = tmp_path / "spec.json"
     path.write_text(ngram.to_json())
     assert parse_speculative_config(str(path), tmp_path) == ngram
-    with pytest.raises(ValueError, match="neither 'none', JSON, nor a file"):
-        parse_speculative_config("ngram", tmp_path)
+    with pytest.raises(ValueError, match="neither 'none', a mode name .*JSON, nor a file"):
+        parse_speculative_config("ngrm", tmp_path)
     with pytest.raises(ValueError, match="--speculative-config"):
         parse_speculative_config('{"mode": 6, "max_draft_len": 0}', tmp_path)
+    with pytest.raises(ValueError, match="unknown speculative decoding mode 'eagle4'.*eagle3"):
+        parse_speculative_config('{"mode": "eagle4"}', tmp_path)
+
+
+@pytest.mark.parametrize("value, expected", [
+    ("ngram", NGramConfig()),
+    ("NGRAM", NGramConfig()),
+    ("6", NGramConfig()),
+    ('{"mode": "ngram", "max_draft_len": 3}', NGramConfig(max_draft_len=3)),
+    ("eagle3", EagleConfig(speculative_model="bundled-eagle3")),
+    ("eagle3_one_model", EagleConfig(speculative_model="bundled-eagle3")),
+    ('{"mode": "eagle3", "max_draft_len": 2}',
+     EagleConfig(max_draft_len=2, speculative_model="bundled-eagle3")),
+    ("draft-target", DraftTargetConfig(speculative_model="bundled-draft")),
+    ("mtp", MTPConfig(max_draft_len=3, num_nextn_predict_layers=3, use_mtp_vanilla=True,
+                      speculative_model="bundled-mtp")),
+    ('{"mode": "mtp", "max_draft_len": 2}',
+     MTPConfig(max_draft_len=2, num_nextn_predict_layers=3, use_mtp_vanilla=True,
+               speculative_model="bundled-mtp")),
+    ('{"mode": "eagle3", "speculative_model": "my/head"}', EagleConfig(speculative_model="my/head")),
+])
+def test_speculative_config_by_mode_name(value, expected):
+    """Mode names and short forms; for the bundled target the shipped drafter fills in."""
+    assert parse_speculative_config(value, "bundled") == expected
+
+
+def test_mode_names_without_a_shipped_drafter(tmp_path):
+    # Another target gets no shipped drafter: the mode's own defaults, or its own error.
+    assert parse_speculative_config("eagle3", tmp_path) == EagleConfig()
+    with pytest.raises(ValueError, match="speculative_model is required"):
+        parse_speculative_config("draft_target", tmp_path)
+
+
+def test_help_lists_every_option_with_its_default_and_an_example_per_mode(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for action in cli.build_parser()._actions:
+        if action.dest != "help":
+            assert action.help, action.dest
+    assert text.count("(default:") == len(cli.build_parser()._actions) - 1
+    for example in EXAMPLES.values():
+        assert " ".join(example.split()) in text
 
 
 def test_served_model_name(tmp_path):

@@ -27,16 +27,19 @@ def plain():
 @pytest.mark.parametrize("config", [
     NGramConfig(max_draft_len=4, max_matching_ngram_size=3),
     UserProvidedConfig(max_draft_len=3, drafter=Repeat()),
-    DraftTargetConfig(max_draft_len=4, speculative_model=str(CHECKPOINTS_DIR / "stdlib-draft")),
-    EagleConfig(max_draft_len=4, speculative_model=str(CHECKPOINTS_DIR / "stdlib-eagle3")),
+    DraftTargetConfig(max_draft_len=4, speculative_model="bundled-draft"),
+    # No drafter named: for the bundled target the shipped head fills in.
+    EagleConfig(max_draft_len=4),
     MTPConfig(max_draft_len=3, num_nextn_predict_layers=3, use_mtp_vanilla=True,
-              speculative_model=str(CHECKPOINTS_DIR / "stdlib-mtp")),
+              speculative_model="bundled-mtp"),
     # MTP-Eagle: the shipped first module reused for every draft step.
     MTPConfig(max_draft_len=3, num_nextn_predict_layers=1,
               speculative_model=str(CHECKPOINTS_DIR / "stdlib-mtp")),
 ], ids=lambda c: c.mode.name)
 def test_bundled_greedy_equivalence(plain, config):
     llm = specjax.LLM("bundled", speculative_config=config, **SIZES)
+    if config.mode.has_spec_decoder():
+        assert llm.engine.speculation.draft_model is not None
     assert [o.token_ids for o in llm.generate(PROMPTS, PARAMS)] == plain
     assert llm.stats.acceptance_length is not None and llm.stats.acceptance_length > 1.0
     assert_mixed_acceptance(llm.stats, config.max_draft_len)

@@ -64,7 +64,8 @@ def _full_pool(llm):
 @pytest.mark.parametrize("max_batch_size", [1, 4])
 def test_greedy_output_equals_plain_decoding(perm_target, refs, mode, max_batch_size):
     target, perm = perm_target
-    llm = _llm(target, MODES[mode](target, perm, 3), max_batch_size=max_batch_size)
+    llm = _llm(target, MODES[mode](target, perm, 3), max_batch_size=max_batch_size,
+               warmup=True)
     with count_compilations() as compiled:
         outs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS))
         assert compiled() == 0  # warm-up compiled every shape serving uses

@@ -95,3 +95,45 @@ def test_draft_vocab_must_match(tiny_model):
     with pytest.raises(ValueError, match="speculative_model vocab_size 32 differs"):
         specjax.LLM(tiny_model, warmup=False,
                     speculative_config=DraftTargetConfig(max_draft_len=2, speculative_model=other))
+
+
+def test_rejection_sampling_is_on_by_default_where_a_draft_distribution_exists():
+    from specjax import EagleConfig, MTPConfig
+    in_step = [DraftTargetConfig(speculative_model="x"), EagleConfig(),
+               MTPConfig(num_nextn_predict_layers=1), MTPConfig(max_draft_len=2,
+                                                                num_nextn_predict_layers=2)]
+    for config in in_step:
+        assert config.mode.has_spec_decoder() and config.use_rejection_sampling is True
+    for config in (NGramConfig(), UserProvidedConfig(drafter=Echo())):
+        assert config.use_rejection_sampling is False  # host drafters have no distribution
+    off = DraftTargetConfig(speculative_model="x", use_rejection_sampling=False)
+    assert off.use_rejection_sampling is False
+    # The JSON round trip keeps an explicit choice.
+    assert SpeculativeConfig.from_json(off.to_json()).use_rejection_sampling is False
+    with pytest.raises(ValueError, match="use_rejection_sampling must be a bool"):
+        NGramConfig(use_rejection_sampling="yes")
+
+
+@pytest.mark.parametrize("value, mode", [
+    (5, M.EAGLE3_ONE_MODEL), ("5", M.EAGLE3_ONE_MODEL), ("eagle3", M.EAGLE3_ONE_MODEL),
+    ("EAGLE3_ONE_MODEL", M.EAGLE3_ONE_MODEL), ("draft-target", M.DRAFT_TARGET_ONE_MODEL),
+    ("mtp_eagle", M.MTP_EAGLE_ONE_MODEL), ("mtp", M.MTP), ("ngram", M.NGRAM),
+    (M.NGRAM, M.NGRAM),
+])
+def test_modes_parse_from_integers_and_names(value, mode):
+    assert M.parse(value) is mode
+
+
+@pytest.mark.parametrize("value", ["eagle", "", "5.0", None, True, 2])
+def test_unknown_modes_are_named_in_the_error(value):
+    with pytest.raises(ValueError, match="speculative decoding mode"):
+        M.parse(value)
+
+
+def test_from_dict_takes_mode_names():
+    assert SpeculativeConfig.from_dict({"mode": "ngram", "max_draft_len": 2}) == \
+        NGramConfig(max_draft_len=2)
+    from specjax import MTPConfig
+    # "mtp" by name means one module per draft (MTP), not MTP-Eagle.
+    assert SpeculativeConfig.from_dict({"mode": "mtp", "max_draft_len": 1}).mode is M.MTP
+    assert SpeculativeConfig.from_dict({"mode": "mtp_eagle"}) == MTPConfig()

@@ -123,6 +123,7 @@ def test_oracle_accepts_exactly_the_predicted_count(tiny_model, greedy_refs, wro
     verified_hist, accepted_hist = [0] * (D + 1), [0] * (D + 1)
     for out in outs:
         history = oracle.history[out.request_id]
+        request_accepted = []
         # Each step gains (accepted + 1) tokens; with index `wrong` corrupted exactly
         # min(wrong, real draft length) drafts are accepted.
         for (length, drafted), (next_length, _) in zip(history, history[1:]):
@@ -137,11 +138,35 @@ def test_oracle_accepts_exactly_the_predicted_count(tiny_model, greedy_refs, wro
             if verified:
                 verified_hist[verified] += 1
                 accepted_hist[min(wrong, verified)] += 1
+                request_accepted.append(min(wrong, verified))
+        # A request's AL counts its steps with drafts only; tokens per iteration counts all
+        # of them (and the prompt's prefill, which gave the first token).
+        n = len(request_accepted)
+        assert out.stats.num_steps_with_drafts == n
+        assert out.stats.acceptance_length == pytest.approx((sum(request_accepted) + n) / n)
+        assert out.stats.tokens_per_iteration == pytest.approx(
+            len(out.token_ids) / out.stats.decoding_iterations)
     # Every request-step lands in the bins its drafts and accepted count say, and no other.
     trim = lambda hist: hist[:max(i for i, n in enumerate(hist) if n) + 1]
     assert llm.stats.verified_histogram == trim(verified_hist)
     assert llm.stats.accepted_histogram == trim(accepted_hist)
+    # AR_k: the share of request-steps with drafts that accepted at least k, for k up to the
+    # deepest draft verified; AL = 1 + sum(AR_k).
+    n = sum(accepted_hist)
+    deepest = len(trim(verified_hist)) - 1
+    expected = [sum(accepted_hist[k:]) / n for k in range(1, deepest + 1)]
+    assert llm.stats.acceptance_per_position == pytest.approx(expected)
+    assert 1 + sum(llm.stats.acceptance_per_position) == pytest.approx(llm.stats.acceptance_length)
     assert _full_pool(llm)
+    # reset_stats starts from zero; the same requests then give the same figures again.
+    first = (llm.stats.verified_histogram, llm.stats.accepted_histogram,
+             llm.stats.acceptance_length, llm.stats.drafted_tokens)
+    llm.reset_stats()
+    assert llm.stats.drafted_tokens == 0 and llm.stats.acceptance_length is None
+    assert llm.stats.acceptance_per_position == [] and llm.stats.verified_histogram == []
+    llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS))
+    assert (llm.stats.verified_histogram, llm.stats.accepted_histogram,
+            llm.stats.acceptance_length, llm.stats.drafted_tokens) == first
 
 
 def test_statistics_ignore_padding(tiny_model, greedy_refs):
@@ -168,7 +193,8 @@ def test_seeded_sampling_matches_plain_sampling(tiny_model, draft_model):
     seeded sampled request gives exactly what plain sampled decoding gives."""
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.9, top_k=20, seed=11)
     plain = _llm(tiny_model, None).generate(PROMPTS, params)
-    spec = _llm(tiny_model, DraftTargetConfig(max_draft_len=3, speculative_model=tiny_model))
+    spec = _llm(tiny_model, DraftTargetConfig(max_draft_len=3, speculative_model=tiny_model,
+                                              use_rejection_sampling=False))
     outs = spec.generate(PROMPTS, params)
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
     assert_mixed_acceptance(spec.stats, 3)  # the greedy drafts do get rejected sometimes
@@ -226,7 +252,7 @@ def test_gate_trips_and_falls_back_without_recompiling(tiny_model, greedy_refs):
     drafter = RightThenWrong(greedy_refs, right=12)
     llm = _llm(tiny_model, UserProvidedConfig(max_draft_len=3, drafter=drafter,
                                               acceptance_rate_window_size=3,
-                                              acceptance_rate_threshold=0.2))
+                                              acceptance_rate_threshold=0.2), warmup=True)
     with count_compilations() as compiled:
         outs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS))
         assert compiled() == 0
@@ -244,7 +270,7 @@ def test_gate_trips_and_falls_back_without_recompiling(tiny_model, greedy_refs):
 def test_no_compilation_after_warmup_in_spec_modes(tiny_model, draft_model):
     spec = DraftTargetConfig(max_draft_len=3, draft_len_schedule={1: 3, 2: 2, 3: 0},
                              speculative_model=draft_model)
-    llm = _llm(tiny_model, spec)
+    llm = _llm(tiny_model, spec, warmup=True)
     with count_compilations() as compiled:
         for n in (1, 2, 3, 4, 5, 2):
             llm.generate(PROMPTS[:n], SamplingParams(max_tokens=6))

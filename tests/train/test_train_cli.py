@@ -29,6 +29,9 @@ def test_train_resume_export_and_eval(fake_stdlib, tmp_path, capsys):
     out = tmp_path / "ckpt"
     assert main(["target", "--out", str(out), *TINY_FLAGS, "--stop-after", "2"]) == 0
     assert not (out / "model.safetensors").exists()
+    printed = capsys.readouterr().out
+    # --no-progress: a line per log interval; the first has no rate yet (compilation), not None.
+    assert "\nstep 2/3 loss " in printed and "None" not in printed
     assert main(["target", "--out", str(out), *TINY_FLAGS]) == 0
     for name in ("config.json", "model.safetensors", "tokenizer.json", "corpus_manifest.json",
                  "MODEL_CARD.md", "training_log.json"):

@@ -21,7 +21,10 @@ class SpeculativeConfig:
     draft_len_schedule: Mapping[int, int] | tuple[tuple[int, int], ...] | None = None
     acceptance_rate_window_size: int = 0       # 0 = gate off
     acceptance_rate_threshold: float = 0.0
-    use_rejection_sampling: bool = False
+    # Sampled requests: accept drafts by rejection sampling (lossless: the output follows the
+    # target distribution) rather than strict matching. None -> on wherever a draft
+    # distribution exists (in-step drafters), off for host drafters (they have none).
+    use_rejection_sampling: bool | None = None
 
     mode: ClassVar[SpeculativeDecodingMode] = SpeculativeDecodingMode.NONE
     # A class whose mode depends on its fields (MTPConfig: `mode` is a property) lists here
@@ -44,8 +47,10 @@ class SpeculativeConfig:
         if not 0 <= self.acceptance_rate_threshold <= 1:
             raise ValueError(f"acceptance_rate_threshold must be in [0, 1], got "
                              f"{self.acceptance_rate_threshold!r}")
-        if not isinstance(self.use_rejection_sampling, bool):
-            raise ValueError("use_rejection_sampling must be a bool")
+        if self.use_rejection_sampling is None:
+            object.__setattr__(self, "use_rejection_sampling", self.mode.has_spec_decoder())
+        elif not isinstance(self.use_rejection_sampling, bool):
+            raise ValueError("use_rejection_sampling must be a bool or None (the mode's default)")
 
     @property
     def schedule(self) -> dict[int, int] | None:
@@ -69,11 +74,17 @@ class SpeculativeConfig:
     def from_dict(data: Mapping[str, Any]) -> "SpeculativeConfig":
         data = dict(data)
         if "mode" not in data:
-            raise ValueError("speculative config needs a 'mode' field (an integer)")
+            raise ValueError("speculative config needs a 'mode' field (an integer or a name "
+                             "such as \"eagle3\")")
         try:
-            mode = SpeculativeDecodingMode(int(data.pop("mode")))
+            mode = SpeculativeDecodingMode.parse(data.pop("mode"))
         except ValueError as e:
-            raise ValueError(f"unknown speculative decoding mode: {e}") from None
+            raise ValueError(str(e) if "unknown speculative decoding mode" in str(e)
+                             else f"unknown speculative decoding mode: {e}") from None
+        if mode is SpeculativeDecodingMode.MTP and "use_mtp_vanilla" not in data:
+            # Asked for by name, MTP (one module per draft) is what "mtp" means: with a single
+            # module the fields would otherwise give MTP-Eagle.
+            data["use_mtp_vanilla"] = True
         cls = _REGISTRY.get(mode)
         if cls is None:
             raise ValueError(f"mode {mode.name} ({int(mode)}) is not implemented in this version")

@@ -63,20 +63,19 @@ class ChainWorker:
 
     def catch_up(self, params, kv: KVPool, batch: StepBatch, target, captured: jax.Array,
                  following: jax.Array, num_drafts: int = 0
-                 ) -> tuple[KVPool, jax.Array | None]:
+                 ) -> tuple[KVPool, jax.Array | None, jax.Array | None]:
         """Prompt chunks: write the drafter's K/V for the chunk's rows and, given
         `num_drafts`, draft that many tokens after each row's sampled token, so the first
-        generation step already verifies drafts. -> (kv, drafts `[B, num_drafts]` or None).
-        Not under rejection sampling: those drafts would need their distributions kept."""
+        generation step already verifies drafts. -> (kv, drafts `[B, num_drafts]` or None,
+        their distributions `[B, num_drafts, V]` under rejection sampling, else None)."""
         tokens = shift_in(batch.tokens, batch.query_lens, following)
-        if num_drafts and not self.rejection_sampling:
-            kv, drafts, _ = self.draft(params, kv, batch, target, captured, tokens,
-                                       batch.query_lens, num_drafts)
-            return kv, drafts
+        if num_drafts:
+            return self.draft(params, kv, batch, target, captured, tokens, batch.query_lens,
+                              num_drafts)
         head = nnx.merge(self.graphdef, params)
         kv, _ = head_pass(self._layer(head), kv, 0, batch.replace(tokens=tokens), target,
                           self._first_hidden(head, captured))
-        return kv, None
+        return kv, None, None
 
     def draft(self, params, kv: KVPool, batch: StepBatch, target, captured: jax.Array,
               new_tokens: jax.Array, new_lens: jax.Array, num_drafts: int

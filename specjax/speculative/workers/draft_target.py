@@ -36,11 +36,11 @@ class DraftTargetWorker:
                             tokens_per_block, dtype)
 
     def catch_up(self, params, kv: KVPool, batch: StepBatch, target, captured,
-                 following, num_drafts: int = 0) -> tuple[KVPool, None]:
+                 following, num_drafts: int = 0) -> tuple[KVPool, None, None]:
         """Write the draft model's K/V for the same runs the target just processed (drafting
         starts with the first generation step)."""
         kv, _, _ = paged_forward(nnx.merge(self.graphdef, params), kv, batch)
-        return kv, None
+        return kv, None, None
 
     def draft(self, params, kv: KVPool, batch: StepBatch, target, captured,
               new_tokens: jax.Array, new_lens: jax.Array, num_drafts: int

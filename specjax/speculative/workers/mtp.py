@@ -65,13 +65,13 @@ class MTPWorker:
 
     def catch_up(self, params, kv: KVPool, batch: StepBatch, target, captured: jax.Array,
                  following: jax.Array, num_drafts: int = 0
-                 ) -> tuple[KVPool, jax.Array | None]:
+                 ) -> tuple[KVPool, None, None]:
         head = nnx.merge(self.graphdef, params)
         run = batch.replace(tokens=shift_in(batch.tokens, batch.query_lens, following))
         # Module s > 0 reads tokens past the chunk: its own drafts stand in for them.
         kv, _, _ = self._modules_pass(head, kv, run, target, captured[0], self.num_modules,
                                       False, None)
-        return kv, None
+        return kv, None, None
 
     def draft(self, params, kv: KVPool, batch: StepBatch, target, captured: jax.Array,
               new_tokens: jax.Array, new_lens: jax.Array, num_drafts: int

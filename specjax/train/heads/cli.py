@@ -31,16 +31,20 @@ def add_arguments(p: argparse.ArgumentParser, kind: str) -> None:
     p.add_argument("--depth", type=int, default=4 if kind == "eagle3" else 3,
                    help="draft steps unrolled in training (TTT) and reported")
     p.add_argument("--hidden-states", type=Path, default=None,
-                   help="train from a SAVE_HIDDEN_STATES folder instead of the target's corpus")
+                   help="train from a SAVE_HIDDEN_STATES folder instead of the target's "
+                        "corpus (default: the corpus named by the target's corpus_manifest.json)")
     p.add_argument("--step-weight", type=float, default=0.8,
                    help="loss weight of draft step j is step_weight^(j-1)")
     add_train_arguments(p, HEAD_TRAIN_DEFAULTS)
     r = p.add_argument_group("run control")
     r.add_argument("--restart", action="store_true", help="discard saved steps under <out>/work")
-    r.add_argument("--stop-after", type=int, default=None, help="stop after this many steps (resumable)")
+    r.add_argument("--stop-after", type=int, default=None,
+                   help="stop after this many steps (resumable); default: run to --steps")
     r.add_argument("--report-windows", type=int, default=32,
                    help="validation windows in the final acceptance report")
-    r.add_argument("--no-progress", action="store_true")
+    r.add_argument("--no-progress", action="store_true",
+                   help="no progress bar: print a line per log interval (also what happens when "
+                        "stderr is not a terminal)")
 
 
 @dataclass(frozen=True)

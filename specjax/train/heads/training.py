@@ -70,9 +70,17 @@ def _mean_per_step(got: list[dict], key: str) -> list[float]:
 
 
 def _log_line(e: dict) -> str:
-    s_step = e["s_per_step"]
-    return (f"loss {e['loss']:.4f} step_acc {[round(a, 3) for a in e['step_acc']]} "
-            f"s/step {s_step if s_step is None else round(s_step, 3)} elapsed {e['elapsed_s']:.0f}s")
+    # No s/step for the first interval: it includes compilation, so no rate exists yet.
+    rate = "" if e["s_per_step"] is None else f" s/step {e['s_per_step']:.3g}"
+    return (f"loss {e['loss']:.4f} step_acc {[round(a, 3) for a in e['step_acc']]}{rate} "
+            f"elapsed {e['elapsed_s']:.0f}s")
+
+
+def _postfix(e: dict) -> dict:
+    shown = {"loss": f"{e['loss']:.3f}", "acc1": f"{e['step_acc'][0]:.2f}"}
+    if e["s_per_step"] is not None:
+        shown["s_step"] = f"{e['s_per_step']:.3g}"
+    return shown
 
 
 HEAD_LOG = LogFormat(
@@ -80,9 +88,7 @@ HEAD_LOG = LogFormat(
                                 "step_loss": _mean_per_step(got, "step_loss"),
                                 "step_acc": _mean_per_step(got, "step_acc"),
                                 "s_per_step": s_step},
-    postfix=lambda e: {"loss": f"{e['loss']:.3f}", "acc1": f"{e['step_acc'][0]:.2f}",
-                       "s_step": f"{e['s_per_step'] or 0:.2f}"},
-    line=_log_line)
+    postfix=_postfix, line=_log_line)
 
 
 def train_head(spec: HeadSpec, tc: TrainConfig, target: Llama, source: DataSource, work: Path,

