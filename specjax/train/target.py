@@ -140,6 +140,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     r.add_argument("--no-progress", action="store_true",
                    help="no progress bar: print a line per log interval (also what happens when "
                         "stderr is not a terminal)")
+
+
 def prepare_corpus(out: Path, vocab_size: int) -> tuple[Tokenizer, dict, np.ndarray, np.ndarray]:
     """-> (tokenizer, manifest, train `[N]`, val `[M]`). A resumed run reuses the saved manifest and
     tokenizer, so its data are the ones the interrupted run used."""
