@@ -12,8 +12,9 @@ Checks (small shapes): kernel == reference exactly for the sampling kernel (toke
 at V = 32k the correction/bonus token may differ only where u * total lies within float32
 rounding of a CDF boundary, verified against a float64 CDF) and for the KV relocation/gather
 kernels; allclose for paged attention (float32 against a HIGHEST-precision reference, and
-bfloat16). Timings: median wall time of jitted calls, kernel vs reference, at realistic
-shapes (B = 1..64, D = 4..8, V = 32k..128k; attention over 4k-token contexts).
+bfloat16), causal runs and draft trees (`tree_mask`). Timings: median wall time of jitted
+calls, kernel vs reference, at realistic shapes (B = 1..64, D = 4..8, V = 32k..128k;
+attention over 4k-token contexts, causal and a 1 + 16-node draft tree).
 """
 from __future__ import annotations
 
@@ -97,6 +98,30 @@ def attention_inputs(B, T, H, KV, hd, bs, ctx_lens, M, dtype, seed=0, layers=2):
             jnp.asarray(tables), jnp.asarray(positions), jnp.asarray(ctx))
 
 
+def tree_attention_inputs(B, T, H, KV, hd, bs, ctx_lens, M, dtype, seed=0, layers=2):
+    """`attention_inputs` with each request's last T slots a random draft tree (root + T - 1
+    nodes, parent < child): positions run_start + depth, int32 ancestor-or-self bitmasks.
+    Requests with a context shorter than T get mask 0 (padding). Returns the six arrays and
+    the tree masks [B, T]."""
+    q, k, v, tables, _, ctx = attention_inputs(B, T, H, KV, hd, bs, ctx_lens, M, dtype,
+                                               seed, layers)
+    rng = np.random.default_rng(seed + 100)
+    positions = np.zeros((B, T), np.int32)
+    masks = np.zeros((B, T), np.uint32)
+    for b, c in enumerate(ctx_lens):
+        if c < T:
+            continue
+        parents = [-1] + [int(rng.integers(0, i)) for i in range(1, T)]
+        depth = [0] * T
+        for i in range(1, T):
+            depth[i] = depth[parents[i]] + 1
+            masks[b, i] = masks[b, parents[i]]
+        masks[b] |= (np.uint32(1) << np.arange(T, dtype=np.uint32))
+        positions[b] = c - T + np.asarray(depth)
+    return ((q, k, v, tables, jnp.asarray(positions), ctx),
+            jnp.asarray(masks.view(np.int32)))
+
+
 # --- correctness -----------------------------------------------------------------------------
 
 def _near_boundary(p_row, q_row, use_q, u, tok_a, tok_b, rel_tol=1e-4) -> bool:
@@ -167,16 +192,16 @@ def check_sampling_vocab_32k_bf16():
                             exact=False)
 
 
-def _attention(args, window, dtype, **kw):
+def _attention(args, window, dtype, tree_mask=None, **kw):
     q, k, v, tables, positions, ctx = args
     out = jax.jit(lambda *a: paged_attention_kernel(*a, interpret=INTERPRET, **kw))(
-        q, k, v, 1, tables, positions, ctx, window)
+        q, k, v, 1, tables, positions, ctx, window, tree_mask)
     # The reference gathers every table entry (the NaN null block included): give it a clean
     # pool, and float32 products at full precision (XLA's GPU default may use TF32).
     k_clean, v_clean = k.at[:, 0].set(0), v.at[:, 0].set(0)
     with jax.default_matmul_precision("highest"):
         ref = jax.jit(paged_attention_reference)(q, k_clean, v_clean, 1, tables, positions,
-                                                  ctx, window)
+                                                  ctx, window, tree_mask)
     out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
     check(np.all(np.isfinite(out)), "non-finite output (read the null block or a NaN page?)")
     tol = 2e-5 if dtype == jnp.float32 else 3e-2
@@ -195,6 +220,20 @@ def check_attention(dtype, window):
         check(compiled_supported(args[0].shape, args[1].shape), "shapes unexpectedly unsupported")
     res = [_attention(args, window, dtype),
            _attention(args, window, dtype, pages_per_step=1, num_splits=3, rows_per_block=16)]
+    return "; ".join(res)
+
+
+def check_attention_tree(dtype, window):
+    """Verify of a 1 + 16-node draft tree per request (contexts of a few hundred tokens, a
+    tree-only request, a padded request)."""
+    ctx = [300, 17, 0, 450, 129]
+    hd = 64 if not INTERPRET else 16
+    args, tree = tree_attention_inputs(len(ctx), 17, 8, 2, hd, 16, ctx, M=32, dtype=dtype)
+    if not INTERPRET:
+        check(compiled_supported(args[0].shape, args[1].shape), "shapes unexpectedly unsupported")
+    res = [_attention(args, window, dtype, tree),
+           _attention(args, window, dtype, tree, pages_per_step=1, num_splits=3,
+                      rows_per_block=16)]
     return "; ".join(res)
 
 
@@ -237,6 +276,9 @@ CHECKS = [
     ("attention f32 no window", lambda: check_attention(jnp.float32, NO_WINDOW)),
     ("attention f32 window 20", lambda: check_attention(jnp.float32, 20)),
     ("attention bf16 window 50", lambda: check_attention(jnp.bfloat16, 50)),
+    ("attention tree f32 no window", lambda: check_attention_tree(jnp.float32, NO_WINDOW)),
+    ("attention tree f32 window 100", lambda: check_attention_tree(jnp.float32, 100)),
+    ("attention tree bf16 window 100", lambda: check_attention_tree(jnp.bfloat16, 100)),
     ("relocate_kv", check_relocate),
     ("gather_kv_pages", check_gather),
 ]
@@ -273,6 +315,9 @@ def timing_cases(quick: bool):
     for B, T in att:
         cases.append(("attention", f"B={B} T={T} ctx=4096 H=32 KV=8 hd=128 bf16",
                       dict(B=B, T=T)))
+    for B in (1, 8, 32):  # verify of a root + 16-node draft tree
+        cases.append(("attention tree", f"B={B} T=17 ctx=4096 H=32 KV=8 hd=128 bf16",
+                      dict(B=B, T=17)))
     cases.append(("relocate_kv", "L=32 B=64 R=8 KV=8 hd=128 bf16", dict(B=64, R=8)))
     cases.append(("gather_kv_pages", "B=32 ctx=4096 KV=8 hd=128 bf16", dict(B=32, ctx=4096)))
     return cases
@@ -284,15 +329,19 @@ def time_case(kind, params, iters):
         kern = jax.jit(lambda *a: chain_speculative_sampling_kernel(*a, interpret=INTERPRET))
         ref = jax.jit(chain_speculative_sampling_reference)
         return median_us(kern, args, iters), median_us(ref, args, iters)
-    if kind == "attention":
+    if kind in ("attention", "attention tree"):
         B, T = params["B"], params["T"]
-        args = attention_inputs(B, T, 32, 8, 128, 16, [4096] * B, M=256, dtype=jnp.bfloat16,
-                                layers=1)
+        shape = (B, T, 32, 8, 128, 16, [4096] * B)
+        if kind == "attention":
+            args = attention_inputs(*shape, M=256, dtype=jnp.bfloat16, layers=1)
+            tree = None
+        else:
+            args, tree = tree_attention_inputs(*shape, M=256, dtype=jnp.bfloat16, layers=1)
         args = (args[0], args[1].at[:, 0].set(0), args[2].at[:, 0].set(0)) + args[3:]
         q, k, v, tables, pos, ctx = args
         kern = jax.jit(lambda *a: paged_attention_kernel(*a, interpret=INTERPRET))
         ref = jax.jit(paged_attention_reference)
-        a = (q, k, v, 0, tables, pos, ctx, NO_WINDOW)
+        a = (q, k, v, 0, tables, pos, ctx, NO_WINDOW, tree)
         return median_us(kern, a, iters), median_us(ref, a, iters)
     if kind == "relocate_kv":
         B, R, L, N = params["B"], params["R"], 32, 1024

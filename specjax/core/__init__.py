@@ -14,7 +14,9 @@ batches, calls the steps and reads their small outputs. To drive the steps from 
     state, out = generate(params, state, batch_of_width_D_plus_1)  # out.new_tokens [B, D+1]
 
 `worker` is None for plain decoding and host drafters (NGram, your own): then a generation
-batch of width D+1 > 1 carries [newest token, drafts] per row. In-step drafters (draft model,
+batch of width D+1 > 1 carries [newest token, drafts] per row. A tree worker's generation
+batches are 1 + T wide (T = `worker.tree.nodes_for(depth)`), and `out.new_tokens` is
+`[B, depth+1]` (`specjax.core.tree`). In-step drafters (draft model,
 EAGLE-3, MTP) come from `specjax.speculative.build_speculation(config, target)`, and their
 steps read each row's run from the device (`runs_on_device`). `examples/custom_loop.py` drives
 NGram and EAGLE-3 this way and checks the tokens against `LLM.generate`.
@@ -27,11 +29,13 @@ from specjax.core.sampling import filter_logits, sample, sampling_keys
 from specjax.core.state import (EngineState, Params, SlotState, init_state, make_slot_state,
                                 split_model)
 from specjax.core.steps import make_generation_step, make_prefill_step, runs_on_device
+from specjax.core.tree import TreeShape, relocate_path, tree_accept, tree_layout
 from specjax.core.worker import DraftWorker
 
 __all__ = ["DraftWorker", "EngineState", "GenerationOutput", "KVPool", "NULL_BLOCK",
            "PagedAttention", "Params", "PrefillOutput", "SlotState", "StepBatch", "empty_batch",
            "filter_logits", "init_state", "make_generation_step", "make_kv_pool",
            "make_prefill_step", "make_slot_state", "paged_forward", "rejection_accept",
-           "runs_on_device", "sample", "sampling_keys", "set_row", "split_model",
-           "strict_accept", "target_tokens"]
+           "relocate_path", "runs_on_device", "sample", "sampling_keys", "set_row",
+           "split_model", "strict_accept", "target_tokens", "TreeShape", "tree_accept",
+           "tree_layout"]

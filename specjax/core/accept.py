@@ -20,15 +20,14 @@ from pallas_kernels.rejection_sampling import chain_speculative_sampling
 from specjax.core.sampling import filter_logits, sample, sampling_keys
 
 
-def target_tokens(logits: jax.Array, start_pos: jax.Array, temperature: jax.Array,
+def target_tokens(logits: jax.Array, positions: jax.Array, temperature: jax.Array,
                   top_k: jax.Array, top_p: jax.Array, min_p: jax.Array,
                   seeds: jax.Array) -> jax.Array:
-    """logits `[B, W, V]` at positions start_pos + 0..W-1 -> the target's tokens `[B, W]` for
-    positions start_pos + 1..W (each keyed by the position it will occupy)."""
+    """logits `[B, W, V]` of the rows at `positions` `[B, W]` -> the target's token after each
+    row `[B, W]` (each keyed by the position it will occupy: the row's + 1)."""
     B, W, V = logits.shape
     rep = lambda x: jnp.repeat(x, W)
-    positions = (start_pos[:, None] + 1 + jnp.arange(W)).reshape(-1)
-    keys = sampling_keys(rep(seeds), positions)
+    keys = sampling_keys(rep(seeds), (positions + 1).reshape(-1))
     tokens = sample(logits.reshape(B * W, V), rep(temperature), rep(top_k), rep(top_p),
                     rep(min_p), keys)
     return tokens.reshape(B, W)

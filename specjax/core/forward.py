@@ -13,6 +13,7 @@ from pallas_kernels.kv_gather import gather_kv_pages
 from pallas_kernels.paged_attention import paged_attention
 from specjax.core.batch import StepBatch
 from specjax.core.kv import NULL_BLOCK, KVPool
+from specjax.core.tree import TreeLayout
 from specjax.models.llama import NO_WINDOW, Llama, layer_windows
 
 T = TypeVar("T")
@@ -72,10 +73,14 @@ class PagedAttention:
     layer (padding into the null block), `read` attends each row's queries over its blocks up
     to its context length, `attend` does both (the `AttendFn` the layer loop calls)."""
 
-    def __init__(self, batch: StepBatch, tokens_per_block: int, windows: jax.Array | None = None):
+    def __init__(self, batch: StepBatch, tokens_per_block: int, windows: jax.Array | None = None,
+                 tree: TreeLayout | None = None):
         T = batch.tokens.shape[1]
         self.batch, self.windows = batch, windows
-        self.positions = batch.start_pos[:, None] + jnp.arange(T)   # [B, T]
+        # Row i's K/V go to slot start + i; a tree row's position is start + its depth.
+        depths = jnp.arange(T)[None, :] if tree is None else tree.depths
+        self.positions = batch.start_pos[:, None] + depths           # [B, T]
+        self.tree_mask = None if tree is None else tree.ancestors
         self.context_lens = batch.start_pos + batch.query_lens      # [B]
         # What picks the table width: padded rows (whose slot start may be anything) see none.
         self.visible_lens = jnp.where(batch.query_lens > 0, self.context_lens, 0)
@@ -90,7 +95,7 @@ class PagedAttention:
         window = NO_WINDOW if self.windows is None else self.windows[layer]
         out = with_narrowest_table(
             lambda tables: paged_attention(q, pool.k, pool.v, layer, tables, self.positions,
-                                           self.context_lens, window),
+                                           self.context_lens, window, self.tree_mask),
             self.batch.block_tables, self.visible_lens, self.tokens_per_block)
         return out.astype(q.dtype)
 
@@ -113,13 +118,16 @@ def gather_context(pool: KVPool, layer: int, block_tables: jax.Array, context_le
 
 
 def paged_forward(model: Llama, kv: KVPool, batch: StepBatch,
-                  capture_layers: Sequence[int] = ()) -> tuple[KVPool, jax.Array, jax.Array]:
-    """Run each row's tokens through the model, writing their K/V into the pool first.
+                  capture_layers: Sequence[int] = (), tree: TreeLayout | None = None
+                  ) -> tuple[KVPool, jax.Array, jax.Array]:
+    """Run each row's tokens through the model, writing their K/V into the pool first. With
+    `tree`, each row is a draft tree (`specjax.core.tree`): positions from its depths,
+    attention over the context, its ancestors and itself.
 
     Returns (kv, hidden `[B, T, D]` after the last layer, captured `[C, B, T, D]`: the residual
     streams after `capture_layers`, for hidden-state drafters; rows past query_lens are padding).
     """
-    paged = PagedAttention(batch, kv.tokens_per_block, layer_windows(model.config))
+    paged = PagedAttention(batch, kv.tokens_per_block, layer_windows(model.config), tree)
     hidden, captured, kv = model.run_layers(model.embed_tokens(batch.tokens), paged.positions,
                                             paged.attend, kv, capture_layers)
     return kv, hidden, captured

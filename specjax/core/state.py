@@ -34,6 +34,9 @@ class SlotState:
     # [S+1, D_max, V] float32: the distributions the drafts were drawn from, kept only when
     # rejection sampling needs them (None otherwise).
     draft_probs: jax.Array | None = None
+    # [S+1, T] int32: with a draft tree in `run`, each node's parent row (0 = the newest
+    # token; see `specjax.core.tree`); None for chains.
+    tree_parents: jax.Array | None = None
 
     @property
     def spare(self) -> int:
@@ -41,26 +44,36 @@ class SlotState:
         return self.start.shape[0] - 1
 
 
-def make_slot_state(num_slots: int, max_draft_len: int, vocab_size: int = 0) -> SlotState:
-    """Slot state for `num_slots` slots plus the spare; `vocab_size` > 0 keeps draft probs."""
+def make_slot_state(num_slots: int, max_draft_len: int, vocab_size: int = 0,
+                    tree: bool = False) -> SlotState:
+    """Slot state for `num_slots` slots plus the spare, runs of up to `max_draft_len` drafts
+    (a tree's nodes); `vocab_size` > 0 keeps draft probs, `tree` the nodes' parents."""
     probs = (jnp.zeros((num_slots + 1, max_draft_len, vocab_size), jnp.float32)
              if vocab_size else None)
+    parents = jnp.zeros((num_slots + 1, max_draft_len), jnp.int32) if tree else None
     return SlotState(run=jnp.zeros((num_slots + 1, max_draft_len + 1), jnp.int32),
                      start=jnp.zeros(num_slots + 1, jnp.int32),
-                     num_drafts=jnp.zeros(num_slots + 1, jnp.int32), draft_probs=probs)
+                     num_drafts=jnp.zeros(num_slots + 1, jnp.int32), draft_probs=probs,
+                     tree_parents=parents)
 
 
 def write_slots(slots: SlotState, rows: jax.Array, run: jax.Array, start: jax.Array,
-                num_drafts: jax.Array, draft_probs: jax.Array | None = None) -> SlotState:
+                num_drafts: jax.Array, draft_probs: jax.Array | None = None,
+                tree_parents: jax.Array | None = None) -> SlotState:
     """Record each row's newest token and drafts where the next step reads them: rows `[B]`
     (slot ids), run `[B, <=D_max+1]`, start `[B]`, num_drafts `[B]`, draft_probs
-    `[B, D, V]` (kept only where the state has room for them)."""
-    full = jnp.zeros((run.shape[0], slots.run.shape[1]), jnp.int32).at[:, :run.shape[1]].set(run)
-    slots = slots.replace(run=slots.run.at[rows].set(full), start=slots.start.at[rows].set(start),
+    `[B, D, V]` (kept only where the state has room for them), tree_parents `[B, T]`."""
+    widen = lambda x, width: jnp.zeros((x.shape[0], width), jnp.int32).at[:, :x.shape[1]].set(x)
+    slots = slots.replace(run=slots.run.at[rows].set(widen(run, slots.run.shape[1])),
+                          start=slots.start.at[rows].set(start),
                           num_drafts=slots.num_drafts.at[rows].set(num_drafts))
     if draft_probs is not None and slots.draft_probs is not None:
         D = draft_probs.shape[1]
         slots = slots.replace(draft_probs=slots.draft_probs.at[rows, :D].set(draft_probs))
+    if tree_parents is not None:
+        width = slots.tree_parents.shape[1]
+        slots = slots.replace(tree_parents=slots.tree_parents.at[rows].set(
+            widen(tree_parents, width)))
     return slots
 
 
@@ -98,12 +111,15 @@ def split_model(target: Llama, draft: nnx.Module | None = None
 def init_state(config: ModelConfig, *, num_slots: int, num_blocks: int, tokens_per_block: int,
                max_draft_len: int = 0, worker: DraftWorker | None = None) -> EngineState:
     """Zeroed device state for a target with `config`: its pool, slot state
-    for `num_slots` requests and drafts up to `max_draft_len`, and the worker's pool. Draft
-    distributions are kept when the worker does rejection sampling."""
+    for `num_slots` requests and drafts up to `max_draft_len` (a tree worker's: nodes), and the
+    worker's pool. Draft distributions are kept when the worker does rejection sampling, the
+    nodes' parents when it drafts trees."""
     keep_probs = worker is not None and worker.rejection_sampling
+    tree = getattr(worker, "tree", None) is not None
     return EngineState(
         target=make_kv_pool(config.num_layers, config.num_kv_heads, config.head_dim, num_blocks,
                             tokens_per_block, config.dtype),
-        slots=make_slot_state(num_slots, max_draft_len, config.vocab_size if keep_probs else 0),
+        slots=make_slot_state(num_slots, max_draft_len, config.vocab_size if keep_probs else 0,
+                              tree),
         draft=None if worker is None else worker.make_kv(num_blocks, tokens_per_block,
                                                          config.dtype))

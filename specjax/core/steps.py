@@ -27,6 +27,7 @@ from specjax.core.batch import GenerationOutput, PrefillOutput, StepBatch
 from specjax.core.forward import last_rows, paged_forward
 from specjax.core.sampling import sample, sampling_keys
 from specjax.core.state import EngineState, Params, SlotState, write_slots
+from specjax.core.tree import TreeShape, relocate_path, tree_accept, tree_layout
 from specjax.core.worker import DraftWorker
 
 
@@ -58,6 +59,11 @@ def _capture_layers(worker: DraftWorker | None, save_layers: tuple[int, ...]) ->
     return worker.capture_layers if worker is not None else save_layers
 
 
+def tree_of(worker: DraftWorker | None) -> TreeShape | None:
+    """The worker's draft-tree shape, None for chains and plain decoding."""
+    return getattr(worker, "tree", None)
+
+
 @functools.lru_cache(maxsize=None)  # engines over one model share compiled steps
 def make_prefill_step(graphdef: nnx.GraphDef, worker: DraftWorker | None = None,
                       save_layers: tuple[int, ...] = ()):
@@ -81,14 +87,15 @@ def make_prefill_step(graphdef: nnx.GraphDef, worker: DraftWorker | None = None,
             # The token after each run: the next prompt token, or the one just sampled.
             ends = batch.next_tokens < 0
             following = jnp.where(ends, tokens, batch.next_tokens)
+            tree = tree_of(worker)
+            num = tree.max_depth if tree else state.slots.run.shape[1] - 1
             kv_draft, drafts, probs = worker.catch_up(params.draft, kv_draft, batch, model,
-                                                      captured, following,
-                                                      state.slots.run.shape[1] - 1)
+                                                      captured, following, num)
             if drafts is not None:  # the first generation step verifies these
                 run = jnp.concatenate([run, drafts], axis=1)
                 num_drafts = jnp.where(ends & (batch.query_lens > 0), drafts.shape[1], 0)
         slots = write_slots(state.slots, batch.slots, run, batch.start_pos + batch.query_lens,
-                            num_drafts, probs)
+                            num_drafts, *((None, probs) if tree_of(worker) else (probs,)))
         return (EngineState(target=kv_target, slots=slots, draft=kv_draft),
                 PrefillOutput(tokens=tokens, hidden_states=captured if save_layers else None))
 
@@ -102,6 +109,8 @@ def make_generation_step(graphdef: nnx.GraphDef, worker: DraftWorker | None = No
     query_lens = 1 + real draft length), accept, and -- with an in-step drafter -- draft the
     next D tokens. Without a worker, D > 0 runs verify the drafts the host put in the batch."""
     capture = _capture_layers(worker, save_layers)
+    if tree_of(worker) is not None:
+        return jax.jit(functools.partial(tree_generation, graphdef, worker), donate_argnums=(1,))
 
     def generation(params: Params, state: EngineState, batch: StepBatch
                    ) -> tuple[EngineState, GenerationOutput]:
@@ -117,7 +126,8 @@ def make_generation_step(graphdef: nnx.GraphDef, worker: DraftWorker | None = No
         rejection = draft_probs is not None and D > 0
         # Rejection sampling decides every sampled row, so strict matching need not sample.
         strict_temperature = jnp.zeros_like(batch.temperature) if rejection else batch.temperature
-        targets = target_tokens(logits, batch.start_pos, strict_temperature,
+        positions = batch.start_pos[:, None] + jnp.arange(D + 1)
+        targets = target_tokens(logits, positions, strict_temperature,
                                 batch.top_k, batch.top_p, batch.min_p, batch.seeds)
         drafts_in, draft_lens = batch.tokens[:, 1:], batch.query_lens - 1
         new_tokens, lens = strict_accept(drafts_in, draft_lens, targets)
@@ -138,3 +148,40 @@ def make_generation_step(graphdef: nnx.GraphDef, worker: DraftWorker | None = No
                                  captured if save_layers else None))
 
     return jax.jit(generation, donate_argnums=(1,))
+
+
+def tree_generation(graphdef: nnx.GraphDef, worker: DraftWorker, params: Params,
+                    state: EngineState, batch: StepBatch) -> tuple[EngineState, GenerationOutput]:
+    """The generation step of a tree drafter: each row's run is [newest token, T tree nodes]
+    from slot state (T = the batch's width - 1, which fixes the depth). Verify the tree in one
+    target pass, walk the accepted path (`tree_accept`), move its K/V to linear positions,
+    and let the worker catch up over the path and grow the next tree."""
+    shape = worker.tree
+    T = batch.tokens.shape[1] - 1
+    depth = shape.depth_for(T)
+    batch = runs_from_slots(batch, state.slots, T)
+    parents = state.slots.tree_parents[batch.slots, :T]
+    room = batch.max_lens - batch.start_pos - 2  # the deepest node whose tokens still fit
+    layout = tree_layout(parents, jnp.maximum(batch.query_lens - 1, 0), room, depth)
+    model = nnx.merge(graphdef, params.target)
+    kv_target, hidden, captured = paged_forward(model, state.target, batch,
+                                                worker.capture_layers, layout)
+    positions = batch.start_pos[:, None] + layout.depths
+    targets = target_tokens(model.logits(hidden), positions, batch.temperature, batch.top_k,
+                            batch.top_p, batch.min_p, batch.seeds)
+    new_tokens, lens, path = tree_accept(batch.tokens, parents, layout, targets, depth)
+    real = batch.query_lens > 0
+    kv_target = relocate_path(kv_target, batch.start_pos, batch.block_tables, path,
+                              jnp.where(real, lens - 1, 0))
+    # The worker reads the accepted rows' hidden states in sequence order, as after a chain.
+    captured = jnp.take_along_axis(captured, path[None, :, :, None], axis=2)
+    kv_draft, drafts, tree_parents = worker.draft(params.draft, state.draft, batch, model,
+                                                  captured, new_tokens, lens, depth)
+    B = batch.tokens.shape[0]
+    newest = jnp.take_along_axis(new_tokens, (lens - 1)[:, None], axis=1)
+    slots = write_slots(state.slots, batch.slots, jnp.concatenate([newest, drafts], axis=1),
+                        batch.start_pos + lens, jnp.full((B,), drafts.shape[1], jnp.int32),
+                        tree_parents=tree_parents)
+    deepest = jnp.max(jnp.where(layout.valid, layout.depths, 0), axis=1)
+    return (EngineState(target=kv_target, slots=slots, draft=kv_draft),
+            GenerationOutput(new_tokens, lens, drafts, jnp.where(real, deepest, 0)))

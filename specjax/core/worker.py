@@ -13,6 +13,7 @@ import jax
 
 from specjax.core.batch import StepBatch
 from specjax.core.kv import KVPool
+from specjax.core.tree import TreeShape
 
 
 class DraftWorker(Protocol):
@@ -22,6 +23,11 @@ class DraftWorker(Protocol):
     # Sampled rows draw their drafts from the worker's filtered distribution and hand it back,
     # so the next step can accept by rejection sampling; otherwise every row drafts the argmax.
     rejection_sampling: bool
+    # A tree drafter's shape (`specjax.core.tree.TreeShape`), or None for chains (the default
+    # when a worker has no such attribute). A tree worker's `catch_up` and `draft` take the
+    # tree's depth as `num_drafts` and return (kv, node tokens `[B, T]`, their parents
+    # `[B, T]`) with T = `tree.nodes_for(depth)`, in place of drafts and distributions.
+    tree: TreeShape | None
 
     def make_kv(self, num_blocks: int, tokens_per_block: int, dtype) -> KVPool:
         """The worker's zeroed pool, block for block beside the target's."""

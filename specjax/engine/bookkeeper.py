@@ -2,9 +2,11 @@
 and the acceptance gate -- in the order that keeps them right:
 
     num_accepted        = new_tokens_lens - 1
-    verified_len        = the step's runtime draft length
-    drafted_len         = drafts the device verified, snapshotted before padding
-    num_drafts_verified = min(drafted_len, verified_len)     # acceptance-rate denominator
+    verified_len        = draft slots the step verified: its runtime draft length (a tree's
+                          node count)
+    drafted_len         = drafts the device verified, snapshotted before padding (a tree:
+                          its depth)
+    num_drafts_verified = min(drafted_len, draft length)      # acceptance-rate denominator
     rewind_len          = verified_len - num_accepted         # rejected positions to give back
     then give back the rest of the reservation, and only then replace the request's drafts
     with next_draft_tokens[:runtime draft length].
@@ -41,6 +43,11 @@ class DispatchedStep:
     rows: list[GenerationRow]
     draft_len: int
     out: GenerationOutput
+    verify_len: int | None = None   # draft slots verified (a tree's nodes); None: draft_len
+
+    @property
+    def verified_len(self) -> int:
+        return self.draft_len if self.verify_len is None else self.verify_len
 
 
 class Bookkeeper:
@@ -73,9 +80,8 @@ class Bookkeeper:
                 continue
             try:
                 num_accepted = int(lens[i]) - 1
-                verified_len = step.draft_len
-                num_drafts_verified = min(int(draft_lens[i]), verified_len)
-                rewind_len = verified_len - num_accepted
+                num_drafts_verified = min(int(draft_lens[i]), step.draft_len)
+                rewind_len = step.verified_len - num_accepted
                 if hidden is not None:
                     self.recorder.record(request, request.num_computed, hidden[:, i, :1])
                 self._give_back(request, row, step.step_id, num_accepted, rewind_len)

@@ -107,7 +107,8 @@ class Engine:
                          if spec.save_hidden_states else None)
         # The longest KV ledger a request can reach: the context, plus what a generation step
         # may reserve past its newest token.
-        blocks_per_seq = -(-(self.max_len - 1 + kv_reserve(D, spec.drafts_in_step)) // bs)
+        blocks_per_seq = -(-(self.max_len - 1 + kv_reserve(D, spec.drafts_in_step,
+                                                           spec.verify_len(D))) // bs)
         num_blocks = config.num_kv_blocks or config.max_batch_size * blocks_per_seq + 1
         if (num_blocks - 1) < blocks_per_seq:
             raise ValueError(f"num_kv_blocks {num_blocks} cannot hold one request of "
@@ -115,11 +116,11 @@ class Engine:
         self.allocator = BlockAllocator(num_blocks, bs)
         self.scheduler = Scheduler(self.allocator, config.max_batch_size, config.prefill_chunk,
                                    config.max_prefill_rows, D, spec.drafts_in_step,
-                                   on_preempt=self._on_preempt)
+                                   on_preempt=self._on_preempt, verify_len=spec.verify_len)
         graphdef, params = split_model(model, spec.draft_model)
         make_state = lambda: init_state(mc, num_slots=config.max_batch_size,
                                         num_blocks=num_blocks, tokens_per_block=bs,
-                                        max_draft_len=D, worker=spec.worker)
+                                        max_draft_len=spec.verify_len(D), worker=spec.worker)
         self.executor = Executor(graphdef, params, make_state, self.allocator, worker=spec.worker,
                                  save_layers=spec.save_layers, blocks_per_seq=blocks_per_seq,
                                  max_batch_size=config.max_batch_size,
@@ -184,7 +185,8 @@ class Engine:
     def generation_shapes(self) -> set[tuple[int, int]]:
         """(batch bucket, run width) of every generation step serving can dispatch."""
         buckets = self.executor.decode_buckets
-        shapes = {(bucket(n, buckets), self.draft_len_for(n) + 1)
+        width = lambda d: self.speculation.verify_len(d) + 1
+        shapes = {(bucket(n, buckets), width(self.draft_len_for(n)))
                   for n in range(1, self.config.max_batch_size + 1)}
         if self.gate is not None:  # after the gate trips
             shapes |= {(b, 1) for b in buckets}
@@ -259,7 +261,8 @@ class Engine:
             prefill_out, failed = self.executor.launch_prefill(prefill)
             self._fail_all(failed, "preparing its prompt-chunk row")
         if rows:
-            dispatched, failed = self.executor.launch_generation(rows, draft_len)
+            dispatched, failed = self.executor.launch_generation(
+                rows, draft_len, self.speculation.verify_len(draft_len))
             self._fail_all(failed, "preparing its generation row")
         overlap = self._overlaps(draft_len)
         previous = self.executor.take_inflight()

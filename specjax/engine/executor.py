@@ -71,17 +71,19 @@ class Executor:
                          request.token_at(end) if end < request.num_tokens else -1))
         return self._launch(self.prefill_step, runs, self.prefill_chunk, self.prefill_buckets)
 
-    def launch_generation(self, rows: list[GenerationRow], draft_len: int
-                          ) -> tuple[DispatchedStep, Failed]:
+    def launch_generation(self, rows: list[GenerationRow], draft_len: int,
+                          verify_len: int | None = None) -> tuple[DispatchedStep, Failed]:
         """[newest token, host drafts] per row (steps that read runs from the device take them
         from slot state); each request remembers this step's reservation and largest advance.
-        Returns the step and the rows that could not be prepared."""
+        `verify_len`: drafts verified after the newest token (a tree's nodes; default
+        `draft_len`). Returns the step and the rows that could not be prepared."""
+        verify_len = draft_len if verify_len is None else verify_len
         runs = [(row.request, [row.request.last_token] + row.request.draft_tokens[:row.drafted],
                  -1) for row in rows]
         self._step_id += 1
-        out, failed = self._launch(self.generation_step, runs, draft_len + 1,
+        out, failed = self._launch(self.generation_step, runs, verify_len + 1,
                                    self.decode_buckets)
-        step = DispatchedStep(self._step_id, rows, draft_len, out)
+        step = DispatchedStep(self._step_id, rows, draft_len, out, verify_len)
         for row in rows:
             request = row.request
             request.latest_step, request.latest_reserve = step.step_id, row.reserve

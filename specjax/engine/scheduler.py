@@ -13,22 +13,26 @@ from specjax.engine.allocator import BlockAllocator, OutOfBlocks
 from specjax.engine.request import Request, Status
 
 
-def kv_reserve(draft_len: int, drafts_in_step: bool) -> int:
+def kv_reserve(draft_len: int, drafts_in_step: bool, verify_len: int | None = None) -> int:
     """KV positions a generation step of this draft length may write from a request's newest
-    token on: the newest token and its D drafts (verify), and D more when the step drafts in
-    it (the drafter's K/V past the verified window)."""
-    return 1 + draft_len * (2 if drafts_in_step else 1)
+    token on: the newest token and the drafts it verifies (`verify_len`: D for a chain, a
+    tree's T nodes), and D more when the step drafts in it (the drafter's K/V past the
+    verified window)."""
+    verify = draft_len if verify_len is None else verify_len
+    return 1 + verify + (draft_len if drafts_in_step else 0)
 
 
 class Scheduler:
     def __init__(self, allocator: BlockAllocator, num_slots: int, prefill_chunk: int,
                  max_prefill_rows: int, max_draft_len: int, drafts_in_step: bool,
-                 on_preempt: Callable[[Request], None] = lambda request: None):
+                 on_preempt: Callable[[Request], None] = lambda request: None,
+                 verify_len: Callable[[int], int] = lambda draft_len: draft_len):
         self.allocator = allocator
         self.prefill_chunk = prefill_chunk
         self.max_prefill_rows = max_prefill_rows
         self.max_draft_len = max_draft_len
         self.drafts_in_step = drafts_in_step
+        self.verify_len = verify_len
         self.on_preempt = on_preempt
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
@@ -36,7 +40,7 @@ class Scheduler:
 
     def reserve_for(self, draft_len: int) -> int:
         """The reservation of this engine's generation steps (`kv_reserve`)."""
-        return kv_reserve(draft_len, self.drafts_in_step)
+        return kv_reserve(draft_len, self.drafts_in_step, self.verify_len(draft_len))
 
     # -- admission ---------------------------------------------------------------------------
 

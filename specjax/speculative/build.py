@@ -21,6 +21,7 @@ from typing import Any
 
 from flax import nnx
 
+from specjax.core.tree import TreeShape
 from specjax.core.worker import DraftWorker
 from specjax.models import Llama, load_eagle3_head, load_hf_checkpoint, load_mtp_heads
 from specjax.models.config import ModelConfig
@@ -50,8 +51,18 @@ class Speculation:
 
     @property
     def max_draft_len(self) -> int:
-        """The widest draft a step verifies (0: plain decoding)."""
+        """The longest draft a step verifies (0: plain decoding); a tree's depth."""
         return self.config.max_draft_len if self.drafting else 0
+
+    @property
+    def tree(self) -> TreeShape | None:
+        """The draft tree's shape, None for chains."""
+        return getattr(self.worker, "tree", None)
+
+    def verify_len(self, draft_len: int) -> int:
+        """Draft tokens a step of this draft length verifies after the newest one: the draft
+        length for a chain, the node count for a tree (`TreeShape.nodes_for`)."""
+        return draft_len if self.tree is None else self.tree.nodes_for(draft_len)
 
     @property
     def drafts_in_step(self) -> bool:
@@ -176,16 +187,24 @@ def get_spec_worker(config: SpeculativeConfig | None, draft_model=None,
         raise ValueError(f"{mode.name} needs the target's config")
     L = target_config.num_layers
     if mode is SpeculativeDecodingMode.EAGLE3_ONE_MODEL:
-        if config.use_dynamic_tree:
-            raise NotImplementedError("EAGLE-3 dynamic trees are not implemented yet; use a "
-                                      "chain (use_dynamic_tree=False)")
         layers = config.layers_to_capture(L, draft_model.config.aux_hidden_state_layers)
-        return workers.Eagle3Worker(graphdef, layers, rs, head_config=draft_model.config)
+        tree = _tree_within(config, draft_model.config.draft_vocab_size)
+        return workers.Eagle3Worker(graphdef, layers, rs, tree, head_config=draft_model.config)
     if mode is SpeculativeDecodingMode.MTP_EAGLE_ONE_MODEL:
-        return workers.MTPEagleWorker(graphdef, (L - 1,), rs, target_config=target_config)
+        tree = _tree_within(config, target_config.vocab_size)
+        return workers.MTPEagleWorker(graphdef, (L - 1,), rs, tree, target_config=target_config)
     if mode is SpeculativeDecodingMode.MTP:
         return workers.MTPWorker(graphdef, (L - 1,), draft_model.num_modules, target_config, rs)
     raise NotImplementedError(f"speculative mode {mode.name} is not implemented yet")
+
+
+def _tree_within(config, vocab_size: int) -> TreeShape | None:
+    """The config's draft-tree shape, checked against the drafter's vocabulary."""
+    tree = config.tree_shape
+    if tree is not None and tree.top_k > vocab_size:
+        raise ValueError(f"dynamic_tree_max_topK ({tree.top_k}) exceeds the drafter's vocabulary "
+                         f"({vocab_size} tokens)")
+    return tree
 
 
 def get_spec_drafter(config: SpeculativeConfig | None,

@@ -195,8 +195,10 @@ def test_spec_table_prints_each_speedup_beside_the_plain_figure_it_divides_by():
             "least one draft (accepted drafts + 1)") in legend
     assert ("tok/step: output tokens after the first / target steps after the prompt's "
             "prefill, with or without drafts") in legend
-    assert "effic.: efficiency = decode speedup / (tok/step x t(1)/t(D+1))" in legend
-    assert "t(D+1)/t(1): the target's compiled step for D+1 query tokens" in legend
+    assert "effic.: efficiency = decode speedup / (tok/step x t(1)/t(1+T))" in legend
+    assert ("t(1+T)/t(1): the target's compiled step for 1+T query tokens over that for 1 "
+            "(T: the drafts a step verifies: D for a chain, a tree's nodes)") in legend
+    assert "AR_k: acceptance per draft position k = 1..D (a tree: per depth)" in legend
     assert "position 66 (mean prompt length + 96/2)" in legend
     assert "the fastest of 2 runs" in legend
 
@@ -279,3 +281,24 @@ def test_transformers_loads_the_bundled_checkpoint():
     assert "transformers" in decode._hf_load(str(resolve_model_path("bundled")))
     seconds, tokens = decode._hf_generate([[1, 2, 3], [4, 5, 6]], 4)
     assert seconds > 0 and [len(t) for t in tokens] == [4, 4]
+
+
+def test_spec_runs_eagle3_trees_beside_the_chain_by_default():
+    configs = spec.default_configs(4)
+    labels = [spec.label_of(c) for c in configs]
+    chain = next(i for i, c in enumerate(configs) if c.mode.name == "EAGLE3_ONE_MODEL")
+    assert labels[chain:chain + 3] == [
+        "eagle3_one_model D=4 (bundled-eagle3)",
+        "eagle3_one_model D=4 tree K=2 T=8 (bundled-eagle3)",
+        "eagle3_one_model D=4 tree K=4 T=16 (bundled-eagle3)"]
+    assert [c.use_rejection_sampling for c in configs[chain:chain + 3]] == [True, False, False]
+    # K * D capped at the 31 nodes a tree mask holds.
+    assert max(c.total_draft_tokens for c in spec.default_configs(8)
+               if getattr(c, "use_dynamic_tree", False)) == 31
+
+
+def test_acceptance_per_depth_sums_the_runs_histograms():
+    # Two runs: accepted 0, 1, 1, 3 drafts in one and 2 in the other (5 request-steps).
+    ar = spec.per_position([[1, 2, 0, 1], [0, 0, 1]], depth=4)
+    assert ar == pytest.approx([4 / 5, 2 / 5, 1 / 5, 0.0])
+    assert spec.per_position([], depth=2) == [0.0, 0.0]

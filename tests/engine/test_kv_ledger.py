@@ -35,6 +35,10 @@ SETUPS = {
         max_draft_len=D, speculative_model=perm_models.eagle_head(target, perm))),
     "mtp": lambda tiny, target, perm: (target, MTPConfig(
         max_draft_len=D, num_nextn_predict_layers=3, speculative_model=perm_models.mtp_heads(3))),
+    # A dynamic tree: T = 6 rows verified, the accepted path's K/V relocated every step.
+    "eagle3_tree": lambda tiny, target, perm: (target, EagleConfig(
+        max_draft_len=D, use_dynamic_tree=True, dynamic_tree_max_topK=2,
+        max_total_draft_tokens=6, speculative_model=perm_models.eagle_head(target, perm))),
 }
 
 
@@ -60,7 +64,8 @@ def _check_ledger(engine) -> bool:
 def test_randomized_kv_ledger_with_overlap(setup, tiny_model, perm):
     target, spec = SETUPS[setup](tiny_model, *perm)
     refs = {tuple(p): dense_greedy(target, p, MAX_LEN - len(p)) for p in PROMPTS}
-    # 15 usable blocks of 4 tokens; one request may need 12 (40 tokens + 2D reserved).
+    # 15 usable blocks of 4 tokens; one request may need 12 (40 tokens + 2D reserved; a
+    # tree's 13: T + D).
     llm = specjax.LLM(target, speculative_config=spec, max_batch_size=4, tokens_per_block=4,
                       prefill_chunk=8, num_kv_blocks=16, max_model_len=MAX_LEN, progress=False)
     engine = llm.engine

@@ -16,6 +16,10 @@ from tests.conftest import TINY
 
 CFG = TINY.replace(num_layers=8, tie_word_embeddings=False)
 LAYERS = (1, 3, 4)  # EAGLE-3's default for 8 layers
+# Prompts the drafter tests share, and how many tokens they generate after each.
+PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21], [7],
+           [9, 9, 9, 9, 9], [33, 2]]
+MAX_TOKENS = 24
 
 
 def _unit_rows(x):

@@ -35,7 +35,10 @@ def plain():
     # MTP-Eagle: the shipped first module reused for every draft step.
     MTPConfig(max_draft_len=3, num_nextn_predict_layers=1,
               speculative_model=str(CHECKPOINTS_DIR / "stdlib-mtp")),
-], ids=lambda c: c.mode.name)
+    # A dynamic tree drafted by the shipped head.
+    EagleConfig(max_draft_len=4, use_dynamic_tree=True, dynamic_tree_max_topK=3,
+                max_total_draft_tokens=10),
+], ids=lambda c: c.mode.name + ("_TREE" if getattr(c, "use_dynamic_tree", False) else ""))
 def test_bundled_greedy_equivalence(plain, config):
     llm = specjax.LLM("bundled", speculative_config=config, **SIZES)
     if config.mode.has_spec_decoder():

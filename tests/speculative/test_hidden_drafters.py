@@ -15,30 +15,13 @@ from specjax import SamplingParams
 from specjax.engine.compile_counter import count_compilations
 from specjax.engine.hidden_states import load_hidden_states
 from specjax.models import Llama
-from specjax.models.dense_greedy import dense_greedy
-from specjax.models.llama import dense_attention
-from specjax.speculative.config import EagleConfig, MTPConfig, SaveHiddenStatesConfig
 from specjax.models.eagle3_head import Eagle3Head, Eagle3HeadConfig
+from specjax.models.llama import dense_attention
 from specjax.models.mtp_head import MTPHeads
+from specjax.speculative.config import EagleConfig, MTPConfig, SaveHiddenStatesConfig
 from tests.conftest import TINY
 from tests.spec_checks import assert_mixed_acceptance
-from tests.speculative import perm_models
-from tests.speculative.perm_models import CFG, LAYERS, eagle_head, mtp_heads
-
-PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21], [7],
-           [9, 9, 9, 9, 9], [33, 2]]
-MAX_TOKENS = 24
-
-
-@pytest.fixture(scope="module")
-def perm_target():
-    return perm_models.perm_target()
-
-
-@pytest.fixture(scope="module")
-def refs(perm_target):
-    model, _ = perm_target
-    return {tuple(p): dense_greedy(model, p, MAX_TOKENS) for p in PROMPTS}
+from tests.speculative.perm_models import CFG, LAYERS, MAX_TOKENS, PROMPTS, eagle_head, mtp_heads
 
 
 MODES = {

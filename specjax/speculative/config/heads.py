@@ -6,6 +6,7 @@ import dataclasses
 import os
 from typing import Any, ClassVar
 
+from specjax.core.tree import MAX_TREE_NODES, TreeShape
 from specjax.models.eagle3_head import Eagle3Head
 from specjax.models.mtp_head import MTPHeads
 from specjax.speculative.config.base import (SpeculativeConfig, layer_tuple, model_field,
@@ -41,33 +42,30 @@ def check_layers_in_range(name: str, layers: tuple[int, ...], num_layers: int) -
 
 
 @dataclasses.dataclass(frozen=True)
-class EagleConfig(SpeculativeConfig):
-    """EAGLE-3 in the one-model step: a head fed with target hidden states at three layers.
+class DynamicTreeFields:
+    """The dynamic-tree fields EAGLE-3 and MTP-Eagle share (the reference's
+    `use_dynamic_tree`): `use_dynamic_tree` with `dynamic_tree_max_topK` = K;
+    `max_total_draft_tokens` (draft tokens verified per step) defaults to K * D and must lie in
+    [D, min(K * D, 31)]. Without a tree it is D (None or D accepted); `total_draft_tokens`
+    gives the effective value. A tree verifies sampled requests exactly without rejection
+    sampling (see `specjax.core.tree`): `use_rejection_sampling` defaults to False there and
+    True is refused."""
 
-    `speculative_model`: a folder in the public EAGLE-3 layout (see
-    `specjax.models.eagle3_checkpoint`) or an `Eagle3Head`; None leaves the choice to the
-    factory. `eagle3_layers_to_capture`: 3 distinct ascending 0-based layer indices, or None for
-    the default (1, L//2 - 1, L - 4) -- see `layers_to_capture`.
-
-    Dynamic tree: `use_dynamic_tree` with `dynamic_tree_max_topK` = K; `max_total_draft_tokens`
-    (draft tokens verified per step) defaults to K * D and must lie in [D, K * D]. Without a
-    tree it is D (None or D accepted). `total_draft_tokens` gives the effective value.
-    """
-
-    speculative_model: Any = None   # folder path (str) or an Eagle3Head
-    eagle3_layers_to_capture: tuple[int, ...] | None = None
     use_dynamic_tree: bool = False
     dynamic_tree_max_topK: int | None = None
     max_total_draft_tokens: int | None = None
 
-    mode: ClassVar[SpeculativeDecodingMode] = SpeculativeDecodingMode.EAGLE3_ONE_MODEL
+    def _tree_sampling_default(self) -> None:
+        """Before `SpeculativeConfig.__post_init__` resolves use_rejection_sampling=None."""
+        if self.use_dynamic_tree is True:
+            if self.use_rejection_sampling:
+                raise ValueError(
+                    "use_rejection_sampling=True does not apply to a dynamic tree: tree "
+                    "verification draws each node's token from the target itself (exact, "
+                    "token for token what plain sampling draws); leave it unset")
+            object.__setattr__(self, "use_rejection_sampling", False)
 
-    def __post_init__(self):
-        super().__post_init__()
-        model_field(self, (Eagle3Head,), "an Eagle3Head")
-        if self.eagle3_layers_to_capture is not None:
-            object.__setattr__(self, "eagle3_layers_to_capture", layer_tuple(
-                "eagle3_layers_to_capture", self.eagle3_layers_to_capture, 3))
+    def _check_tree(self) -> None:
         if not isinstance(self.use_dynamic_tree, bool):
             raise ValueError("use_dynamic_tree must be a bool")
         D, K, total = self.max_draft_len, self.dynamic_tree_max_topK, self.max_total_draft_tokens
@@ -86,6 +84,11 @@ class EagleConfig(SpeculativeConfig):
         if total is not None and not D <= total <= K * D:
             raise ValueError(f"max_total_draft_tokens ({total}) must lie in [max_draft_len, "
                              f"dynamic_tree_max_topK * max_draft_len] = [{D}, {K * D}]")
+        if self.total_draft_tokens > MAX_TREE_NODES:
+            raise ValueError(f"a dynamic tree verifies at most {MAX_TREE_NODES} draft tokens per "
+                             f"step (its attention mask is one 32-bit word per row); "
+                             f"max_total_draft_tokens is {self.total_draft_tokens}"
+                             + ("" if total is not None else " (K * D)") + ": set it lower")
 
     @property
     def total_draft_tokens(self) -> int:
@@ -94,6 +97,39 @@ class EagleConfig(SpeculativeConfig):
         if not self.use_dynamic_tree:
             return self.max_draft_len
         return self.max_total_draft_tokens or self.dynamic_tree_max_topK * self.max_draft_len
+
+    @property
+    def tree_shape(self) -> TreeShape | None:
+        """The dynamic tree's static shape, None for a chain."""
+        if not self.use_dynamic_tree:
+            return None
+        return TreeShape(self.dynamic_tree_max_topK, self.max_draft_len, self.total_draft_tokens)
+
+
+@dataclasses.dataclass(frozen=True)
+class EagleConfig(SpeculativeConfig, DynamicTreeFields):
+    """EAGLE-3 in the one-model step: a head fed with target hidden states at three layers.
+
+    `speculative_model`: a folder in the public EAGLE-3 layout (see
+    `specjax.models.eagle3_checkpoint`) or an `Eagle3Head`; None leaves the choice to the
+    factory. `eagle3_layers_to_capture`: 3 distinct ascending 0-based layer indices, or None for
+    the default (1, L//2 - 1, L - 4) -- see `layers_to_capture`. A chain by default, or a
+    dynamic tree (`DynamicTreeFields`).
+    """
+
+    speculative_model: Any = None   # folder path (str) or an Eagle3Head
+    eagle3_layers_to_capture: tuple[int, ...] | None = None
+
+    mode: ClassVar[SpeculativeDecodingMode] = SpeculativeDecodingMode.EAGLE3_ONE_MODEL
+
+    def __post_init__(self):
+        self._tree_sampling_default()
+        super().__post_init__()
+        model_field(self, (Eagle3Head,), "an Eagle3Head")
+        if self.eagle3_layers_to_capture is not None:
+            object.__setattr__(self, "eagle3_layers_to_capture", layer_tuple(
+                "eagle3_layers_to_capture", self.eagle3_layers_to_capture, 3))
+        self._check_tree()
 
     def layers_to_capture(self, num_layers: int,
                           head_layers: tuple[int, ...] | None = None) -> tuple[int, ...]:
@@ -117,12 +153,13 @@ class EagleConfig(SpeculativeConfig):
 
 
 @dataclasses.dataclass(frozen=True)
-class MTPConfig(SpeculativeConfig):
+class MTPConfig(SpeculativeConfig, DynamicTreeFields):
     """Multi-token prediction (DeepSeek-V3 style MTP modules on the target's hidden state).
 
     The mode follows the fields: one module and not `use_mtp_vanilla` -> MTP_EAGLE_ONE_MODEL
-    (the module is reused for each of the D draft steps); otherwise MTP, where module k drafts
-    token k, so `max_draft_len` may not exceed `num_nextn_predict_layers`.
+    (the module is reused for each of the D draft steps, as a chain or a dynamic tree:
+    `DynamicTreeFields`); otherwise MTP, where module k drafts token k, so `max_draft_len` may
+    not exceed `num_nextn_predict_layers`.
 
     `speculative_model`: None (the MTP modules ship with the target), a folder path, or an
     `MTPHeads` instance.
@@ -142,10 +179,15 @@ class MTPConfig(SpeculativeConfig):
         return SpeculativeDecodingMode.MTP
 
     def __post_init__(self):
+        self._tree_sampling_default()
         super().__post_init__()
         positive_int("num_nextn_predict_layers", self.num_nextn_predict_layers)
         if not isinstance(self.use_mtp_vanilla, bool):
             raise ValueError("use_mtp_vanilla must be a bool")
+        self._check_tree()
+        if self.use_dynamic_tree and self.mode is SpeculativeDecodingMode.MTP:
+            raise ValueError("use_dynamic_tree needs MTP-Eagle (num_nextn_predict_layers=1, "
+                             "use_mtp_vanilla=False): a tree reuses one module at every depth")
         model_field(self, (MTPHeads,), "an MTPHeads")
         if (self.mode is SpeculativeDecodingMode.MTP
                 and self.max_draft_len > self.num_nextn_predict_layers):
