@@ -164,7 +164,8 @@ class Outcome:
 
 def run_tests(root: Path, tests: tuple[str, ...], stop_at_first: bool = True) -> Outcome:
     start = time.perf_counter()
-    cmd = [sys.executable, "-m", "pytest", "-q", "-rf", "-p", "no:cacheprovider",
+    # One process: the parent run already has a worker per core (pyproject's `-n auto`).
+    cmd = [sys.executable, "-m", "pytest", "-q", "-rf", "-p", "no:cacheprovider", "-n", "0",
            *(["-x"] if stop_at_first else []), *tests]
     out = subprocess.run(cmd, cwd=root, env=_env(root), capture_output=True, text=True)
     text = out.stdout + out.stderr
