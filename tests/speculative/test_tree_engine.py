@@ -149,19 +149,24 @@ def test_mtp_eagle_tree_reuses_its_module_at_every_depth(perm_target, refs):
 
 
 def test_greedy_tree_on_a_random_tiny_model():
-    """A random target and a random head (nothing accepted by design, so the walk's every
-    branch runs on whatever the tree holds), batch 4, the schedule changing the depth."""
+    """A random target and a random head, batch 4, the schedule moving the depth as requests
+    finish: 0 (plain decoding through the tree step) while 4 run, 2 for 2-3, 3 for the last."""
     cfg = CFG.replace(num_layers=3)
     target = specjax.models.Llama(cfg, rngs=nnx.Rngs(3))
     head = Eagle3Head(Eagle3HeadConfig.for_target(cfg), nnx.Rngs(4))
-    spec = tree_config(head, K=4, D=3, T=9, draft_len_schedule={1: 3, 3: 2, 4: 1},
+    head.lm_head.value = head.lm_head[...] * 40  # peaked: the best nodes lie deep
+    spec = tree_config(head, K=4, D=3, T=9, draft_len_schedule={1: 3, 2: 2, 4: 0},
                        eagle3_layers_to_capture=(0, 1, 2))
     llm = _llm(target, spec)
     prompts = [[5, 9, 2], [11] * 7, [60, 1], [3, 3, 8, 40, 22]]
-    outs = llm.generate(prompts, SamplingParams(max_tokens=16))
-    for prompt, out in zip(prompts, outs):
-        assert out.token_ids == dense_greedy(target, prompt, 16), prompt
-    assert llm.stats.drafted_tokens > 0
+    lengths = [6, 10, 14, 30]
+    outs = llm.generate(prompts, [SamplingParams(max_tokens=n) for n in lengths])
+    for prompt, n, out in zip(prompts, lengths, outs):
+        assert out.token_ids == dense_greedy(target, prompt, n), prompt
+    verified = llm.stats.verified_histogram
+    assert len(verified) == 4 and verified[2] > 0 and verified[3] > 0, verified
+    assert sum(o.stats.num_steps_with_drafts for o in outs) < sum(
+        o.stats.decoding_iterations for o in outs) - len(outs)  # some steps had depth 0
     assert _full_pool(llm)
 
 
