@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from specjax.core.kv import KVPool, make_kv_pool
-from specjax.core.worker import DraftWorker
+from specjax.core.worker import DraftWorker, tree_of
 from specjax.models.config import ModelConfig
 from specjax.models.llama import Llama
 
@@ -115,7 +115,7 @@ def init_state(config: ModelConfig, *, num_slots: int, num_blocks: int, tokens_p
     worker's pool. Draft distributions are kept when the worker does rejection sampling, the
     nodes' parents when it drafts trees."""
     keep_probs = worker is not None and worker.rejection_sampling
-    tree = getattr(worker, "tree", None) is not None
+    tree = tree_of(worker) is not None
     return EngineState(
         target=make_kv_pool(config.num_layers, config.num_kv_heads, config.head_dim, num_blocks,
                             tokens_per_block, config.dtype),

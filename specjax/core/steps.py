@@ -27,8 +27,8 @@ from specjax.core.batch import GenerationOutput, PrefillOutput, StepBatch
 from specjax.core.forward import last_rows, paged_forward
 from specjax.core.sampling import sample, sampling_keys
 from specjax.core.state import EngineState, Params, SlotState, write_slots
-from specjax.core.tree import TreeShape, relocate_path, tree_accept, tree_layout
-from specjax.core.worker import DraftWorker
+from specjax.core.tree import relocate_path, tree_accept, tree_layout
+from specjax.core.worker import DraftWorker, tree_of
 
 
 def runs_on_device(worker: DraftWorker | None, draft_len: int) -> bool:
@@ -59,11 +59,6 @@ def _capture_layers(worker: DraftWorker | None, save_layers: tuple[int, ...]) ->
     return worker.capture_layers if worker is not None else save_layers
 
 
-def tree_of(worker: DraftWorker | None) -> TreeShape | None:
-    """The worker's draft-tree shape, None for chains and plain decoding."""
-    return getattr(worker, "tree", None)
-
-
 @functools.lru_cache(maxsize=None)  # engines over one model share compiled steps
 def make_prefill_step(graphdef: nnx.GraphDef, worker: DraftWorker | None = None,
                       save_layers: tuple[int, ...] = ()):
@@ -82,20 +77,24 @@ def make_prefill_step(graphdef: nnx.GraphDef, worker: DraftWorker | None = None,
         keys = sampling_keys(batch.seeds, batch.start_pos + batch.query_lens)
         tokens = sample(logits, batch.temperature, batch.top_k, batch.top_p, batch.min_p, keys)
         run, num_drafts, kv_draft = tokens[:, None], jnp.zeros_like(tokens), state.draft
-        probs = None
+        probs = parents = None
         if worker is not None:
             # The token after each run: the next prompt token, or the one just sampled.
             ends = batch.next_tokens < 0
             following = jnp.where(ends, tokens, batch.next_tokens)
             tree = tree_of(worker)
             num = tree.max_depth if tree else state.slots.run.shape[1] - 1
-            kv_draft, drafts, probs = worker.catch_up(params.draft, kv_draft, batch, model,
+            kv_draft, drafts, extra = worker.catch_up(params.draft, kv_draft, batch, model,
                                                       captured, following, num)
+            if tree:  # a tree worker hands back the nodes' parents, a chain its distributions
+                parents = extra
+            else:
+                probs = extra
             if drafts is not None:  # the first generation step verifies these
                 run = jnp.concatenate([run, drafts], axis=1)
                 num_drafts = jnp.where(ends & (batch.query_lens > 0), drafts.shape[1], 0)
         slots = write_slots(state.slots, batch.slots, run, batch.start_pos + batch.query_lens,
-                            num_drafts, *((None, probs) if tree_of(worker) else (probs,)))
+                            num_drafts, probs, parents)
         return (EngineState(target=kv_target, slots=slots, draft=kv_draft),
                 PrefillOutput(tokens=tokens, hidden_states=captured if save_layers else None))
 

@@ -16,6 +16,11 @@ from specjax.core.kv import KVPool
 from specjax.core.tree import TreeShape
 
 
+def tree_of(worker: "DraftWorker | None") -> TreeShape | None:
+    """The worker's draft-tree shape; None for chains, host drafters and plain decoding."""
+    return getattr(worker, "tree", None)
+
+
 class DraftWorker(Protocol):
     # Target layers whose residual streams (after the layer) the worker reads: `captured`
     # `[C, B, T, H]` below, in this order.

@@ -22,7 +22,7 @@ from typing import Any
 from flax import nnx
 
 from specjax.core.tree import TreeShape
-from specjax.core.worker import DraftWorker
+from specjax.core.worker import DraftWorker, tree_of
 from specjax.models import Llama, load_eagle3_head, load_hf_checkpoint, load_mtp_heads
 from specjax.models.config import ModelConfig
 from specjax.models.registry import resolve_model_path
@@ -57,7 +57,7 @@ class Speculation:
     @property
     def tree(self) -> TreeShape | None:
         """The draft tree's shape, None for chains."""
-        return getattr(self.worker, "tree", None)
+        return tree_of(self.worker)
 
     def verify_len(self, draft_len: int) -> int:
         """Draft tokens a step of this draft length verifies after the newest one: the draft
