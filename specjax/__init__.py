@@ -12,22 +12,25 @@ xla_flags.apply()  # before anything starts JAX's backend
 from specjax.engine.engine import Engine, EngineConfig
 from specjax.engine.request import RequestOutput, RequestStats
 from specjax.llm import LLM
-from specjax.models import (Eagle3Head, Eagle3HeadConfig, MTPHeads, load_eagle3_head,
-                            save_eagle3_head)
+from specjax.models import (DFlashHead, Eagle3Head, Eagle3HeadConfig, MTPHeads,
+                            load_dflash_head, load_eagle3_head, save_dflash_head,
+                            save_eagle3_head, save_pard_model)
 from specjax.sampling_params import SamplingParams
 from specjax.speculative.build import (Speculation, build_speculation, get_spec_drafter,
                                        get_spec_worker, load_draft_model)
-from specjax.speculative.config import (DraftTargetConfig, EagleConfig, MTPConfig, NGramConfig,
-                                        SaveHiddenStatesConfig, SpeculativeConfig,
-                                        UserProvidedConfig)
+from specjax.speculative.config import (DFlashConfig, DraftTargetConfig, EagleConfig, MTPConfig,
+                                        NGramConfig, PARDConfig, SaveHiddenStatesConfig,
+                                        SpeculativeConfig, UserProvidedConfig)
 from specjax.speculative.drafters import Drafter, NGramDrafter
 from specjax.speculative.modes import SpeculativeDecodingMode
 from specjax.speculative.schedule import SpeculationGate, get_draft_len_for_batch_size
 
-__all__ = ["DraftTargetConfig", "Drafter", "Eagle3Head", "Eagle3HeadConfig", "EagleConfig",
-           "Engine", "EngineConfig", "LLM", "MTPConfig", "MTPHeads", "NGramConfig",
-           "NGramDrafter", "RequestOutput", "RequestStats", "SamplingParams",
+__all__ = ["DFlashConfig", "DFlashHead", "DraftTargetConfig", "Drafter", "Eagle3Head",
+           "Eagle3HeadConfig", "EagleConfig", "Engine", "EngineConfig", "LLM", "MTPConfig",
+           "MTPHeads", "NGramConfig", "NGramDrafter", "PARDConfig", "RequestOutput",
+           "RequestStats", "SamplingParams",
            "SaveHiddenStatesConfig", "Speculation", "SpeculationGate", "SpeculativeConfig",
            "SpeculativeDecodingMode", "UserProvidedConfig", "build_speculation",
            "get_draft_len_for_batch_size", "get_spec_drafter", "get_spec_worker",
-           "load_draft_model", "load_eagle3_head", "save_eagle3_head"]
+           "load_dflash_head", "load_draft_model", "load_eagle3_head", "save_dflash_head",
+           "save_eagle3_head", "save_pard_model"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import textwrap
 
 
 # Below WARNING these only say what a CPU run expects ("Unable to initialize backend 'tpu'")
@@ -16,6 +17,12 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
     """Descriptions keep their line breaks; every option's help ends with its default
     (ArgumentDefaultsHelpFormatter), except where the help already says it or there is none
     worth showing (required options, switches, None)."""
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        # Never at a hyphen: names such as "bundled-pard" and JSON examples stay whole, so
+        # they can be copied from the help.
+        return textwrap.wrap(self._whitespace_matcher.sub(" ", text).strip(), width,
+                             break_on_hyphens=False)
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
         if ("(default:" in (action.help or "") or action.required or action.nargs == 0

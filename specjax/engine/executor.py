@@ -44,9 +44,13 @@ class Executor:
                  allocator: BlockAllocator, *, worker: DraftWorker | None,
                  save_layers: tuple[int, ...], blocks_per_seq: int, max_batch_size: int,
                  prefill_chunk: int, max_prefill_rows: int):
-        self.graphdef, self.params = graphdef, params
-        self.make_state = make_state
-        self.state = state = make_state()
+        # Everything the steps take lives on one device, committed: a jitted step's signature
+        # includes whether each argument is committed, so a mix (a head trained in the same
+        # process is committed, a loaded one is not) would compile again after warm-up.
+        device = jax.devices()[0]
+        self.graphdef, self.params = graphdef, jax.device_put(params, device)
+        self.make_state = lambda: jax.device_put(make_state(), device)
+        self.state = state = self.make_state()
         self.allocator = allocator
         self.prefill_step = make_prefill_step(graphdef, worker, save_layers)
         self.generation_step = make_generation_step(graphdef, worker, save_layers)

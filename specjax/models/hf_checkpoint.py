@@ -56,20 +56,37 @@ def load_hf_checkpoint(path: str | os.PathLike, dtype: str | None = None) -> Lla
 
     take = tensor_taker(tensors, np_dtype, f"the checkpoint in {folder}")
 
-    V, D, L = config.vocab_size, config.hidden_size, config.num_layers
+    V, D = config.vocab_size, config.hidden_size
     params = {"embed": take("model.embed_tokens.weight", (V, D)),
-              "final_norm": take("model.norm.weight", (D,)), "layers": {}}
+              "final_norm": take("model.norm.weight", (D,))}
     if config.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)
     else:
         params["lm_head"] = take("lm_head.weight", (D, V), transpose=True)
-    for key, shape in layer_param_shapes(config).items():
-        suffix, transpose = _LAYER_NAMES[key]
-        params["layers"][key] = np.stack(
-            [take(f"model.layers.{i}.{suffix}", shape, transpose) for i in range(L)])
+    params["layers"] = take_layers(config, take, "model.layers.")
     refuse_leftovers((n for n in tensors if not _IGNORED.match(n)),
                      f"checkpoint has tensors this {config.model_type} config does not use")
     return model_from_params(config, params)
+
+
+def take_layers(config: ModelConfig, take, prefix: str) -> dict[str, np.ndarray]:
+    """Every layer's parameters, stacked `[L, ...]`, from tensors named
+    `{prefix}{i}.<Hugging Face suffix>` (`take` from `tensor_taker`)."""
+    return {key: np.stack([take(f"{prefix}{i}.{_LAYER_NAMES[key][0]}", shape,
+                                _LAYER_NAMES[key][1]) for i in range(config.num_layers)])
+            for key, shape in layer_param_shapes(config).items()}
+
+
+def layer_tensors(model: Llama, np_dtype, prefix: str) -> dict[str, np.ndarray]:
+    """The inverse of `take_layers`: `{prefix}{i}.<suffix>` -> `[out, in]` arrays."""
+    tensors = {}
+    for key, stacked in model.layer_params().items():
+        suffix, transpose = _LAYER_NAMES[key]
+        stacked = np.asarray(stacked).astype(np_dtype)
+        for i in range(model.config.num_layers):
+            tensors[f"{prefix}{i}.{suffix}"] = np.ascontiguousarray(
+                stacked[i].T if transpose else stacked[i])
+    return tensors
 
 
 def model_from_params(config: ModelConfig, params: dict) -> Llama:
@@ -88,11 +105,6 @@ def save_hf_checkpoint(model: Llama, path: str | os.PathLike, dtype: str | None 
                "model.norm.weight": arr(model.final_norm)}
     if not config.tie_word_embeddings:
         tensors["lm_head.weight"] = np.ascontiguousarray(arr(model.lm_head).T)
-    for key, stacked in model.layer_params().items():
-        suffix, transpose = _LAYER_NAMES[key]
-        stacked = np.asarray(stacked).astype(np_dtype)
-        for i in range(config.num_layers):
-            tensors[f"model.layers.{i}.{suffix}"] = np.ascontiguousarray(
-                stacked[i].T if transpose else stacked[i])
+    tensors.update(layer_tensors(model, np_dtype, "model.layers."))
     save_safetensors(tensors, folder / "model.safetensors", metadata={"format": "pt"})
     (folder / "config.json").write_text(json.dumps(config.to_hf_dict(), indent=2) + "\n")

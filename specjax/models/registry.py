@@ -10,12 +10,14 @@ CHECKPOINTS_DIR = Path(os.environ.get("SPECJAX_CHECKPOINTS",
 BUNDLED_TARGET = "stdlib-llama-7m"
 # Names that resolve to the shipped checkpoints from any working directory.
 BUNDLED = {"bundled": BUNDLED_TARGET, "bundled-draft": "stdlib-draft",
-           "bundled-eagle3": "stdlib-eagle3", "bundled-mtp": "stdlib-mtp"}
+           "bundled-eagle3": "stdlib-eagle3", "bundled-mtp": "stdlib-mtp",
+           "bundled-pard": "stdlib-pard", "bundled-dflash": "stdlib-dflash"}
 
 
 def resolve_model_path(model: str | os.PathLike) -> Path:
-    """"bundled" -> the shipped target, "bundled-draft" / "bundled-eagle3" / "bundled-mtp" ->
-    its shipped drafters; anything else must be an existing local folder."""
+    """"bundled" -> the shipped target, "bundled-draft" / "bundled-eagle3" / "bundled-mtp" /
+    "bundled-pard" / "bundled-dflash" -> its shipped drafters; anything else must be an
+    existing local folder."""
     if str(model) in BUNDLED:
         path = CHECKPOINTS_DIR / BUNDLED[str(model)]
         if not (path / "config.json").exists():
@@ -27,5 +29,6 @@ def resolve_model_path(model: str | os.PathLike) -> Path:
     if not path.is_dir():
         raise ValueError(f"model: {str(model)!r} is neither 'bundled' nor an existing local folder "
                          "(specjax never downloads models; the shipped drafters are "
-                         "'bundled-draft', 'bundled-eagle3' and 'bundled-mtp')")
+                         "'bundled-draft', 'bundled-eagle3', 'bundled-mtp', 'bundled-pard' and "
+                         "'bundled-dflash')")
     return path

@@ -23,12 +23,13 @@ from flax import nnx
 
 from specjax.core.tree import TreeShape
 from specjax.core.worker import DraftWorker, tree_of
-from specjax.models import Llama, load_eagle3_head, load_hf_checkpoint, load_mtp_heads
+from specjax.models import (Llama, load_dflash_head, load_eagle3_head,
+                            load_hf_checkpoint, load_mtp_heads, read_mask_token)
 from specjax.models.config import ModelConfig
 from specjax.models.registry import resolve_model_path
-from specjax.speculative.config import (DraftTargetConfig, EagleConfig, MTPConfig, NGramConfig,
-                                        SaveHiddenStatesConfig, SpeculativeConfig,
-                                        UserProvidedConfig)
+from specjax.speculative.config import (DFlashConfig, DraftTargetConfig, EagleConfig, MTPConfig,
+                                        NGramConfig, PARDConfig, SaveHiddenStatesConfig,
+                                        SpeculativeConfig, UserProvidedConfig)
 from specjax.speculative.drafters import Drafter, NGramDrafter
 from specjax.speculative.modes import SpeculativeDecodingMode
 from specjax.speculative.schedule import SpeculationGate, get_draft_len_for_batch_size
@@ -111,11 +112,26 @@ def build_speculation(config: SpeculativeConfig | None, target: Llama,
                            save_layers=config.layers_to_capture(target.config.num_layers))
     draft_model = None
     if config.mode.use_one_engine():
+        config = with_drafter_fields(config)
         draft_model = load_draft_model(config, target)
         draft_model = draft_model.for_inference()  # the layout the steps run
     return Speculation(config, worker=get_spec_worker(config, draft_model, target.config),
                        draft_model=draft_model,
                        drafter=get_spec_drafter(config, max_sequence_length))
+
+
+def with_drafter_fields(config: SpeculativeConfig) -> SpeculativeConfig:
+    """The config with what its drafter folder records filled in: PARD's mask token."""
+    if isinstance(config, PARDConfig) and config.mask_token_id is None:
+        if not isinstance(config.speculative_model, str):
+            raise ValueError("PARDConfig needs mask_token_id with a Llama instance (a PARD "
+                             "folder names it in config.json as pard_token)")
+        mask = read_mask_token(resolve_model_path(config.speculative_model))
+        if mask is None:
+            raise ValueError(f"PARDConfig: {config.speculative_model}/config.json names no mask "
+                             "token (pard_token or mask_token_id): pass mask_token_id")
+        config = dataclasses.replace(config, mask_token_id=mask)
+    return config
 
 
 def load_draft_model(config: SpeculativeConfig, target: Llama, dtype: str | None = None):
@@ -132,6 +148,21 @@ def load_draft_model(config: SpeculativeConfig, target: Llama, dtype: str | None
                              f"the target's {target.config.vocab_size}: draft-target needs one "
                              "tokenizer")
         return draft
+    if isinstance(config, PARDConfig):
+        if not isinstance(draft, Llama):
+            draft = load_hf_checkpoint(resolve_model_path(draft), dtype=dtype)
+        V, Vd = target.config.vocab_size, draft.config.vocab_size
+        if Vd < V:
+            raise ValueError(f"the PARD model's vocab_size {Vd} is smaller than the target's {V}: "
+                             "PARD needs the target's tokenizer")
+        mask = config.mask_token_id
+        if mask is not None and mask >= Vd:
+            raise ValueError(f"mask_token_id {mask} is outside the PARD model's vocabulary "
+                             f"({Vd} tokens)")
+        return draft
+    if isinstance(config, DFlashConfig):
+        return _load_head(draft, lambda path: load_dflash_head(path, target.config, dtype=dtype),
+                          target, "the DFlash drafter", "")
     if isinstance(config, EagleConfig):
         return _load_head(draft, lambda path: load_eagle3_head(path, dtype=dtype), target,
                           "the EAGLE-3 head", "EagleConfig needs speculative_model: an EAGLE-3 "
@@ -185,6 +216,23 @@ def get_spec_worker(config: SpeculativeConfig | None, draft_model=None,
         return workers.DraftTargetWorker(graphdef, draft_model.config, rejection_sampling=rs)
     if target_config is None:
         raise ValueError(f"{mode.name} needs the target's config")
+    if mode is SpeculativeDecodingMode.PARD:
+        if config.mask_token_id is None:
+            raise ValueError("PARD needs mask_token_id (see with_drafter_fields)")
+        return workers.PARDWorker(graphdef, draft_model.config, config.mask_token_id,
+                                  target_config.vocab_size, rejection_sampling=rs)
+    if mode is SpeculativeDecodingMode.DFLASH:
+        head = draft_model.config
+        for layer in config.layers_for(head.target_layer_ids):
+            if layer >= target_config.num_layers:
+                raise ValueError(f"the DFlash drafter reads target layer {layer}; the target has "
+                                 f"{target_config.num_layers}")
+        mask = head.mask_token_id if config.mask_token_id is None else config.mask_token_id
+        if mask > target_config.vocab_size:
+            raise ValueError(f"mask_token_id {mask} is past the target's vocabulary "
+                             f"({target_config.vocab_size} tokens; {target_config.vocab_size} "
+                             "is the drafter's own mask embedding)")
+        return workers.DFlashWorker(graphdef, head.target_layer_ids, head, mask, rs)
     L = target_config.num_layers
     if mode is SpeculativeDecodingMode.EAGLE3_ONE_MODEL:
         layers = config.layers_to_capture(L, draft_model.config.aux_hidden_state_layers)

@@ -7,8 +7,8 @@ import os
 from pathlib import Path
 
 from specjax.models.registry import BUNDLED, CHECKPOINTS_DIR
-from specjax.speculative.config import (DraftTargetConfig, EagleConfig, MTPConfig, NGramConfig,
-                                        SpeculativeConfig)
+from specjax.speculative.config import (DFlashConfig, DraftTargetConfig, EagleConfig, MTPConfig,
+                                        NGramConfig, PARDConfig, SpeculativeConfig)
 from specjax.speculative.modes import MODE_NAMES, SpeculativeDecodingMode
 
 M = SpeculativeDecodingMode
@@ -17,9 +17,11 @@ M = SpeculativeDecodingMode
 BUNDLED_DRAFT = "bundled-draft"
 BUNDLED_EAGLE3 = "bundled-eagle3"
 BUNDLED_MTP = "bundled-mtp"
+BUNDLED_PARD = "bundled-pard"
+BUNDLED_DFLASH = "bundled-dflash"
 # The drafter each mode reads when the target is the bundled model and none is named.
 SHIPPED_FOR_MODE = {M.DRAFT_TARGET_ONE_MODEL: BUNDLED_DRAFT, M.EAGLE3_ONE_MODEL: BUNDLED_EAGLE3,
-                    M.MTP: BUNDLED_MTP}
+                    M.MTP: BUNDLED_MTP, M.PARD: BUNDLED_PARD, M.DFLASH: BUNDLED_DFLASH}
 
 # One example per mode that --speculative-config takes by name (CLI help).
 EXAMPLES = {
@@ -29,6 +31,8 @@ EXAMPLES = {
     "eagle3": '{"mode": "eagle3", "max_draft_len": 4, "speculative_model": "bundled-eagle3"}',
     "mtp": '{"mode": "mtp", "max_draft_len": 3, "num_nextn_predict_layers": 3, '
            '"speculative_model": "bundled-mtp"}',
+    "pard": '{"mode": "pard", "max_draft_len": 4, "speculative_model": "bundled-pard"}',
+    "dflash": '{"mode": "dflash", "max_draft_len": 4, "speculative_model": "bundled-dflash"}',
     "save_hidden_states": '{"mode": "save_hidden_states", "output_directory": "hs"}',
 }
 
@@ -61,8 +65,8 @@ def default_speculative_config(model: str | os.PathLike) -> SpeculativeConfig | 
 
 
 def shipped_configs(max_draft_len: int) -> list[SpeculativeConfig]:
-    """NGram, then each drafter shipped for the bundled target: draft model, EAGLE-3 head and
-    MTP modules (MTP drafts at most one token per module)."""
+    """NGram, then each drafter shipped for the bundled target: draft model, EAGLE-3 head,
+    MTP modules (MTP drafts at most one token per module), PARD and DFlash."""
     D = max_draft_len
     configs: list[SpeculativeConfig] = [NGramConfig(max_draft_len=D, max_matching_ngram_size=3)]
     if draft := shipped(BUNDLED_DRAFT):
@@ -73,6 +77,10 @@ def shipped_configs(max_draft_len: int) -> list[SpeculativeConfig]:
         n = _mtp_modules(mtp)
         configs.append(MTPConfig(max_draft_len=min(D, n), num_nextn_predict_layers=n,
                                  use_mtp_vanilla=True, speculative_model=mtp))
+    if pard := shipped(BUNDLED_PARD):
+        configs.append(PARDConfig(max_draft_len=D, speculative_model=pard))
+    if dflash := shipped(BUNDLED_DFLASH):
+        configs.append(DFlashConfig(max_draft_len=D, speculative_model=dflash))
     return configs
 
 

@@ -1,7 +1,6 @@
 """Speculative decoding modes. Behaviour is chosen by these predicates, never by name chains;
-`specjax.speculative.build` says what each one drives. (TensorRT-LLM's `without_logits` and
-`is_parallel_draft` have nothing to drive here yet: no step returns logits to the host, and no
-parallel drafter is implemented.)
+`specjax.speculative.build` says what each one drives. (TensorRT-LLM's `without_logits` has
+nothing to drive here: no step returns logits to the host.)
 
 The numeric values are part of the serialized config format: never renumber or reuse them
 (2, 4 and 8 are retired).
@@ -59,6 +58,12 @@ class SpeculativeDecodingMode(enum.IntEnum):
     def has_spec_decoder(self) -> bool:
         """A worker inside the step drafts, verifies and accepts."""
         return self in _ONE_ENGINE
+
+    def is_parallel_draft(self) -> bool:
+        """The drafter proposes all D tokens in one forward pass (PARD, DFlash, DSPARK) rather
+        than one pass per token; the bench reports its draft cost as one pass."""
+        return self in (SpeculativeDecodingMode.PARD, SpeculativeDecodingMode.DFLASH,
+                        SpeculativeDecodingMode.DSPARK)
 
     def has_spec_drafter(self) -> bool:
         """A host-side Drafter only proposes tokens; the target verifies them."""

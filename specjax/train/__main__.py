@@ -8,7 +8,7 @@ import sys
 from contextlib import contextmanager
 
 from specjax.cli import QUIET_LOGGERS, HelpFormatter
-from specjax.train import draft, eagle3, evaluate_cli, mtp, target
+from specjax.train import dflash, draft, eagle3, evaluate_cli, mtp, pard, target
 
 # Each subcommand module provides add_arguments(parser) and run(args) -> exit code.
 SUBCOMMANDS = {
@@ -16,6 +16,8 @@ SUBCOMMANDS = {
     "draft": (draft, "train a small draft model with a target's tokenizer and corpus"),
     "eagle3": (eagle3, "train an EAGLE-3 draft head on a frozen target's hidden states"),
     "mtp": (mtp, "train MTP draft modules (or one MTP-Eagle module) on a frozen target"),
+    "pard": (pard, "train a PARD draft model (all K drafts in one pass) for a frozen target"),
+    "dflash": (dflash, "train a DFlash drafter (block diffusion on the target's hidden states)"),
     "eval": (evaluate_cli, "validation loss of an exported target checkpoint"),
 }
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from specjax.models.config import DTYPES
 from specjax.models.mtp_checkpoint import save_mtp_heads
 from specjax.train.heads import cli
 from specjax.train.heads.spec import HeadSpec
@@ -20,8 +19,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     cli.add_arguments(p, "mtp")
     p.add_argument("--num-modules", type=int, default=3,
                    help="MTP modules (1 = MTP-Eagle, one module reused for every draft step)")
-    p.add_argument("--save-dtype", default="bfloat16", choices=DTYPES,
-                   help="dtype of the exported weights (loading casts to the target's)")
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> int:

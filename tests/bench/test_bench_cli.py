@@ -92,8 +92,8 @@ def test_spec_help_names_the_methods_it_runs(capsys):
         main(["spec", "--help"])
     out = _flat(capsys.readouterr().out)
     modes = {c.mode.name for c in shipped_configs(4)}
-    assert len(modes) == 4  # every drafter for the bundled target is shipped in this checkout
-    for method in ("NGram", "draft-target", "EAGLE-3", "MTP"):
+    assert len(modes) == 6  # every drafter for the bundled target is shipped in this checkout
+    for method in ("NGram", "draft-target", "EAGLE-3", "MTP", "PARD", "DFlash"):
         assert method in out
     assert "NGram and, if shipped, draft-target" not in out
 
@@ -199,6 +199,8 @@ def test_spec_table_prints_each_speedup_beside_the_plain_figure_it_divides_by():
     assert ("t(1+T)/t(1): the target's compiled step for 1+T query tokens over that for 1 "
             "(T: the drafts a step verifies: D for a chain, a tree's nodes)") in legend
     assert "AR_k: acceptance per draft position k = 1..D (a tree: per depth)" in legend
+    assert "passes: the drafter's forward passes per step at full depth: 1 for the parallel" \
+        in legend
     assert "position 66 (mean prompt length + 96/2)" in legend
     assert "the fastest of 2 runs" in legend
 
@@ -206,6 +208,13 @@ def test_spec_table_prints_each_speedup_beside_the_plain_figure_it_divides_by():
 def _outs(n_requests: int, tokens: int, decode_seconds: float):
     stats = SimpleNamespace(first_token_time=0.0, finish_time=decode_seconds)
     return [SimpleNamespace(token_ids=[0] * tokens, stats=stats) for _ in range(n_requests)]
+
+
+def test_drafter_passes_per_step():
+    from specjax.speculative.config import DraftTargetConfig, NGramConfig, PARDConfig
+    assert spec.drafter_passes(PARDConfig(max_draft_len=4, speculative_model="x")) == 1
+    assert spec.drafter_passes(DraftTargetConfig(max_draft_len=4, speculative_model="x")) == 5
+    assert spec.drafter_passes(NGramConfig(max_draft_len=4)) == 0
 
 
 def test_speeds_divide_by_the_fastest_paired_plain_run():

@@ -21,7 +21,8 @@ from specjax.models.registry import BUNDLED_TARGET, CHECKPOINTS_DIR, resolve_mod
 from specjax.serve import __main__ as cli
 from specjax.serve.defaults import (default_speculative_config, parse_speculative_config,
                                     served_model_name)
-from specjax.speculative.config import DraftTargetConfig, EagleConfig, MTPConfig, NGramConfig
+from specjax.speculative.config import (DFlashConfig, DraftTargetConfig, EagleConfig, MTPConfig,
+                                        NGramConfig, PARDConfig)
 from specjax.speculative.defaults import EXAMPLES
 
 
@@ -67,6 +68,10 @@ def test_speculative_config_from_json_or_file(tmp_path):
      MTPConfig(max_draft_len=2, num_nextn_predict_layers=3, use_mtp_vanilla=True,
                speculative_model="bundled-mtp")),
     ('{"mode": "eagle3", "speculative_model": "my/head"}', EagleConfig(speculative_model="my/head")),
+    ("pard", PARDConfig(speculative_model="bundled-pard")),
+    ("12", PARDConfig(speculative_model="bundled-pard")),
+    ('{"mode": "dflash", "max_draft_len": 6}',
+     DFlashConfig(max_draft_len=6, speculative_model="bundled-dflash")),
 ])
 def test_speculative_config_by_mode_name(value, expected):
     """Mode names and short forms; for the bundled target the shipped drafter fills in."""
@@ -78,6 +83,8 @@ def test_mode_names_without_a_shipped_drafter(tmp_path):
     assert parse_speculative_config("eagle3", tmp_path) == EagleConfig()
     with pytest.raises(ValueError, match="speculative_model is required"):
         parse_speculative_config("draft_target", tmp_path)
+    with pytest.raises(ValueError, match="PARDConfig needs speculative_model"):
+        parse_speculative_config("pard", tmp_path)
 
 
 def test_help_lists_every_option_with_its_default_and_an_example_per_mode(capsys):

@@ -80,3 +80,33 @@ def mtp_heads(num_modules, seed=2):
         module.block["o_proj"].value = jnp.zeros_like(module.block["o_proj"][...])
         module.block["down_proj"].value = jnp.zeros_like(module.block["down_proj"][...])
     return heads
+
+
+def perm_stream(perm, n=20_000, follow=0.8, seed=0):
+    """Text like the perm target's: the next token is perm[token] with probability `follow`,
+    else a random one."""
+    rng = np.random.default_rng(seed)
+    out = np.empty(n, np.int32)
+    out[0] = 1
+    jumps, fresh = rng.random(n) >= follow, rng.integers(0, len(perm), n)
+    for t in range(1, n):
+        out[t] = fresh[t] if jumps[t] else perm[out[t - 1]]
+    return out
+
+
+def trained_parallel_drafter(kind, target, perm, work, depth=3, steps=150):
+    """A PARD model or DFlash drafter trained by the trainer (`specjax.train.heads`) for a few
+    seconds on perm text: its drafts are right at every depth often, not always."""
+    from specjax.train.config import TrainConfig
+    from specjax.train.heads.sources import CorpusSource
+    from specjax.train.heads.spec import HeadSpec
+    from specjax.train.heads.training import train_head
+
+    spec = HeadSpec(kind=kind, depth=depth, num_layers=CFG.num_layers, drafter_layers=2,
+                    capture_layers=LAYERS if kind == "dflash" else ())
+    tc = TrainConfig(steps=steps, batch_size=8, seq_len=32, lr=1e-2, warmup=10,
+                     weight_decay=0.0, log_every=steps, eval_every=10**6, save_every=10**6)
+    stream = perm_stream(perm)
+    head, _ = train_head(spec, tc, target, CorpusSource(stream, stream[:2000]), work,
+                         progress=False)
+    return head

@@ -2,8 +2,8 @@
 import pytest
 
 import specjax
-from specjax import (DraftTargetConfig, EagleConfig, MTPConfig, NGramConfig, SamplingParams,
-                     UserProvidedConfig)
+from specjax import (DFlashConfig, DraftTargetConfig, EagleConfig, MTPConfig, NGramConfig,
+                     PARDConfig, SamplingParams, UserProvidedConfig)
 from specjax.models.registry import CHECKPOINTS_DIR
 from tests.spec_checks import assert_mixed_acceptance
 
@@ -38,6 +38,9 @@ def plain():
     # A dynamic tree drafted by the shipped head.
     EagleConfig(max_draft_len=4, use_dynamic_tree=True, dynamic_tree_max_topK=3,
                 max_total_draft_tokens=10),
+    # The parallel drafters: the mask token and the capture layers from their folders.
+    PARDConfig(max_draft_len=4, speculative_model="bundled-pard"),
+    DFlashConfig(max_draft_len=4, speculative_model="bundled-dflash"),
 ], ids=lambda c: c.mode.name + ("_TREE" if getattr(c, "use_dynamic_tree", False) else ""))
 def test_bundled_greedy_equivalence(plain, config):
     llm = specjax.LLM("bundled", speculative_config=config, **SIZES)

@@ -1,5 +1,5 @@
 """Rejection sampling in the one-model step, end to end on the bundled target with every shipped
-in-step drafter (draft model, EAGLE-3 head, MTP modules), at every draft depth.
+in-step drafter (draft model, EAGLE-3 head, MTP modules, PARD, DFlash), at every draft depth.
 
 Sampled output must follow the target's distribution. 128 sequences of 32 tokens at
 temperature 0.8 with D = 3, so steps verify full chains: every generated token is tagged with
@@ -7,8 +7,8 @@ what decided it (a step without drafts; the draft at depth k, accepted or correc
 after a full or a shorter chain), and each group is compared with the target's exact
 distribution at that token's prefix (a dense forward of the target) by the generalized
 chi-square test of `specjax.bench.sampling`, at alpha = 1e-5 per group. The seeds are fixed, so
-the outcome is deterministic; over 3 drafters x 6 groups a correct implementation fails for a
-random seed set with probability about 2e-4. The same statistic judging the draft tokens
+the outcome is deterministic; over 5 drafters x 6 groups a correct implementation fails for a
+random seed set with probability about 3e-4. The same statistic judging the draft tokens
 themselves (drawn from q) must fail -- the test has the power to see a sampler that leaks the
 draft distribution. `tests/mutants.py` plants bugs in the acceptance code and checks that these
 tests catch them.

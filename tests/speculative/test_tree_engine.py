@@ -23,7 +23,7 @@ from specjax.models.llama import dense_attention
 from specjax.speculative import workers
 from specjax.speculative.config import EagleConfig, MTPConfig, SpeculativeConfig
 from specjax.speculative.workers.tree import grow_tree
-from tests.spec_checks import assert_mixed_acceptance
+from tests.spec_checks import assert_mixed_acceptance, join_mid_run
 from tests.speculative import perm_models
 from tests.speculative.perm_models import CFG, LAYERS, MAX_TOKENS, PROMPTS
 
@@ -118,25 +118,10 @@ MTP_EAGLE_TREE = lambda: MTPConfig(max_draft_len=3, num_nextn_predict_layers=1,
                                    speculative_model=perm_models.mtp_heads(1))
 
 
-def _join_mid_run(llm, refs):
-    """Requests join while others are generating; each finishes with plain greedy's tokens."""
-    engine = llm.engine
-    expected, done = {}, {}
-    for i, prompt in enumerate(PROMPTS * 2):
-        expected[engine.add_request(prompt, SamplingParams(max_tokens=MAX_TOKENS - i))] = \
-            refs[tuple(prompt)][:MAX_TOKENS - i]
-        for _ in range(3):
-            done.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
-    while engine.has_unfinished():
-        done.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
-    assert done == expected
-    assert _full_pool(llm)
-
-
 def test_greedy_tree_with_requests_joining_mid_run(tree_llm, refs):
     tree_llm.engine.overlap = True
     tree_llm.reset_stats()
-    _join_mid_run(tree_llm, refs)
+    join_mid_run(tree_llm, PROMPTS, refs, MAX_TOKENS)
     assert_mixed_acceptance(tree_llm.stats, 4)
 
 
@@ -144,7 +129,7 @@ def test_mtp_eagle_tree_reuses_its_module_at_every_depth(perm_target, refs):
     """MTP-Eagle's one hand-built module (it predicts perm(token)) drafts the tree."""
     target, _ = perm_target
     llm = _llm(target, MTP_EAGLE_TREE())
-    _join_mid_run(llm, refs)
+    join_mid_run(llm, PROMPTS, refs, MAX_TOKENS)
     assert_mixed_acceptance(llm.stats, 3)
 
 

@@ -215,3 +215,25 @@ def test_mtp_card_acceptance_reproduces(target):
         assert got["conditional_agreement"] == pytest.approx(conditional, abs=3e-3), depth
         assert got["reached"] == pytest.approx(reached, rel=5e-3), depth
     assert report["expected_acceptance_length"] == pytest.approx(eal, abs=5e-3)
+
+
+def test_shipped_drafters_and_checkpoints_fit_their_budgets():
+    """Each shipped drafter folder <= 8 MB and all of checkpoints/ <= 55 MB: a GPU run carries
+    the whole working tree and refuses more than 64 MiB."""
+    folder_bytes = lambda d: sum(f.stat().st_size for f in d.rglob("*") if f.is_file())
+    for name in ("stdlib-draft", "stdlib-eagle3", "stdlib-mtp", "stdlib-pard", "stdlib-dflash"):
+        assert (CHECKPOINTS / name / "config.json").exists(), name
+        assert folder_bytes(CHECKPOINTS / name) <= 8_000_000, name
+    assert folder_bytes(CHECKPOINTS) <= 55_000_000
+
+
+def test_parallel_drafter_cards_state_their_block_report():
+    """PARD and DFlash cards carry the exact block report of their trainer (greedy, block of
+    D) and the logged E[AL] matches the card's."""
+    for name in ("stdlib-pard", "stdlib-dflash"):
+        folder = CHECKPOINTS / name
+        rows, eal, anchors = card_acceptance(card(folder))
+        report = training_log(folder)["report"]
+        assert report["expected_acceptance_length"] == pytest.approx(eal, abs=5e-4)
+        assert report["anchors"] == anchors and len(rows) == report["depth"]
+        assert "block of" in card(folder)

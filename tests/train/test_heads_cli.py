@@ -1,4 +1,4 @@
-"""`python -m specjax.train eagle3|mtp` end to end on a tiny target folder."""
+"""`python -m specjax.train eagle3|mtp|pard|dflash` end to end on a tiny target folder."""
 import inspect
 import json
 import textwrap
@@ -8,6 +8,7 @@ from flax import nnx
 
 from head_helpers import TARGET, random_fill
 from specjax.models import Llama, save_hf_checkpoint
+from specjax.models import load_dflash_head, load_hf_checkpoint, read_mask_token
 from specjax.models.eagle3_checkpoint import load_eagle3_head
 from specjax.models.mtp_checkpoint import load_mtp_heads
 from specjax.train import corpus
@@ -68,3 +69,33 @@ def test_cli_mtp_end_to_end(target_folder, tmp_path, monkeypatch):
     assert sum(f.stat().st_size for f in out.iterdir() if f.is_file()) <= 10_000_000
     assert json.loads((out / "training_log.json").read_text())["report"]["depth"] == 2
 
+
+
+def test_cli_pard_end_to_end(target_folder, tmp_path, monkeypatch, capsys):
+    """A PARD folder: a Llama with one more embedding row (the mask token, named in
+    config.json), the target's tokenizer, the block report and a model card."""
+    folder, root, config = target_folder
+    monkeypatch.setattr(corpus, "stdlib_root", lambda: root)
+    out = tmp_path / "pard"
+    assert main(["pard", "--target", str(folder), "--out", str(out), "--drafter-layers", "2",
+                 *CLI_FLAGS]) == 0
+    model = load_hf_checkpoint(out)
+    assert model.config.vocab_size == config.vocab_size + 1 and model.config.num_layers == 2
+    assert read_mask_token(out) == config.vocab_size
+    assert (out / toks.TOKENIZER_NAME).exists()
+    assert "block of 2" in capsys.readouterr().out
+    card = (out / "MODEL_CARD.md").read_text()
+    assert "PARDConfig(max_draft_len=2" in card and "E[AL]" in card
+
+
+def test_cli_dflash_end_to_end(target_folder, tmp_path, monkeypatch):
+    folder, root, config = target_folder
+    monkeypatch.setattr(corpus, "stdlib_root", lambda: root)
+    out = tmp_path / "dflash"
+    assert main(["dflash", "--target", str(folder), "--out", str(out), "--layers", "1,5,7",
+                 *CLI_FLAGS]) == 0
+    head = load_dflash_head(out, config)
+    assert head.config.target_layer_ids == (1, 5, 7) and head.config.num_layers == 2
+    assert head.config.mask_token_id == config.vocab_size and head.config.block_size == 2
+    assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    assert "DFlashConfig(max_draft_len=2" in (out / "MODEL_CARD.md").read_text()

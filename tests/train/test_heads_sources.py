@@ -54,6 +54,21 @@ def test_train_from_hidden_states(target, tmp_path):
     assert np.isfinite([e["val_loss"] for e in entries if "val_loss" in e]).all()
 
 
+def test_dflash_trains_from_hidden_states(target, tmp_path):
+    """SAVE_HIDDEN_STATES files train a DFlash drafter as they train EAGLE-3: its layers and
+    the last one (the labels)."""
+    from specjax.train.heads.spec import HeadSpec
+    spec = HeadSpec(kind="dflash", depth=2, num_layers=8, drafter_layers=1, capture_layers=(1, 4))
+    folder = tmp_path / "hs"
+    write_hidden_states(folder, target, (1, 4, 7), [20, 9, 30, 12])
+    source = HiddenStatesSource(folder, spec.needed_layers, 32, "DFlash")
+    tc = TrainConfig(steps=3, batch_size=3, seq_len=16, warmup=1, log_every=3, eval_every=3,
+                     eval_windows=2, save_every=3)
+    head, entries = train_head(spec, tc, target, source, tmp_path / "work", progress=False)
+    assert np.isfinite([e["loss"] for e in entries if "loss" in e]).all()
+    assert head.config.target_layer_ids == (1, 4)
+
+
 def test_hidden_states_missing_layer_is_a_clear_error(target, tmp_path):
     folder = tmp_path / "hs"
     write_hidden_states(folder, target, (1, 3, 4), [10])  # no last layer (7) for the labels

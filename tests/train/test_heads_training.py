@@ -25,7 +25,9 @@ def synthetic_stream(n, seed):
 @pytest.mark.parametrize("spec", [
     dataclasses.replace(EAGLE, depth=2, draft_vocab=32),
     HeadSpec(kind="mtp", depth=2, num_layers=8, num_modules=2),
-], ids=["eagle3_reduced_vocab", "mtp"])
+    HeadSpec(kind="pard", depth=3, num_layers=8, drafter_layers=2),
+    HeadSpec(kind="dflash", depth=3, num_layers=8, drafter_layers=1, capture_layers=(1, 4, 6)),
+], ids=["eagle3_reduced_vocab", "mtp", "pard", "dflash"])
 def test_loss_decreases(target, spec, tmp_path):
     """On fixed validation windows, the distance to the target (the soft cross-entropy less the
     labels' own entropy) shrinks over a few dozen steps."""

@@ -5,7 +5,8 @@ from specjax.speculative.config.token_drafters import (DraftTargetConfig, NGramC
                                                  UserProvidedConfig)
 from specjax.speculative.config.heads import (EagleConfig, MTPConfig, SaveHiddenStatesConfig,
                                               default_eagle3_layers)
+from specjax.speculative.config.parallel import DFlashConfig, PARDConfig
 
-__all__ = ["DraftTargetConfig", "EagleConfig", "MTPConfig", "NGramConfig",
-           "SaveHiddenStatesConfig", "SpeculativeConfig", "UserProvidedConfig",
+__all__ = ["DFlashConfig", "DraftTargetConfig", "EagleConfig", "MTPConfig", "NGramConfig",
+           "PARDConfig", "SaveHiddenStatesConfig", "SpeculativeConfig", "UserProvidedConfig",
            "default_eagle3_layers"]

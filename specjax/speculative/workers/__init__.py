@@ -4,6 +4,7 @@ from specjax.core.worker import DraftWorker
 from specjax.speculative.workers.chain import ChainWorker, Eagle3Worker, MTPEagleWorker
 from specjax.speculative.workers.draft_target import DraftTargetWorker
 from specjax.speculative.workers.mtp import MTPWorker
+from specjax.speculative.workers.parallel import DFlashWorker, PARDWorker
 
-__all__ = ["ChainWorker", "DraftTargetWorker", "DraftWorker", "Eagle3Worker", "MTPEagleWorker",
-           "MTPWorker"]
+__all__ = ["ChainWorker", "DFlashWorker", "DraftTargetWorker", "DraftWorker", "Eagle3Worker",
+           "MTPEagleWorker", "MTPWorker", "PARDWorker"]

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Callable
 
 from specjax.models import load_hf_checkpoint
+from specjax.models.config import DTYPES
 from specjax.train.config import add_train_arguments, train_config_from_args
 from specjax.train.export import compact_log
 from specjax.train.heads.export import SIZE_LIMIT_BYTES, export_head
@@ -28,13 +29,17 @@ HEAD_TRAIN_DEFAULTS = dict(steps=600, batch_size=8, seq_len=256, lr=2e-3, warmup
 def add_arguments(p: argparse.ArgumentParser, kind: str) -> None:
     p.add_argument("--target", type=Path, required=True, help="the frozen target's checkpoint folder")
     p.add_argument("--out", type=Path, required=True, help="export folder, e.g. checkpoints/<name>")
-    p.add_argument("--depth", type=int, default=4 if kind == "eagle3" else 3,
-                   help="draft steps unrolled in training (TTT) and reported")
+    p.add_argument("--depth", type=int, default=3 if kind == "mtp" else 4,
+                   help="draft steps unrolled in training (TTT) and reported; a parallel "
+                        "drafter's block")
     p.add_argument("--hidden-states", type=Path, default=None,
                    help="train from a SAVE_HIDDEN_STATES folder instead of the target's "
                         "corpus (default: the corpus named by the target's corpus_manifest.json)")
     p.add_argument("--step-weight", type=float, default=0.8,
                    help="loss weight of draft step j is step_weight^(j-1)")
+    if kind != "eagle3":  # EAGLE-3 heads are exported in float32, the public layout's
+        p.add_argument("--save-dtype", default="bfloat16", choices=DTYPES,
+                       help="dtype of the exported weights (loading casts to the target's)")
     add_train_arguments(p, HEAD_TRAIN_DEFAULTS)
     r = p.add_argument_group("run control")
     r.add_argument("--restart", action="store_true", help="discard saved steps under <out>/work")
@@ -95,7 +100,8 @@ def run(kind: str, args: argparse.Namespace, argv: list[str], spec_fields: Calla
     report = acceptance_report(spec, head, target, batches)
     report["seconds"] = time.perf_counter() - start
     table = format_report(report, f"{spec.label} acceptance on the validation split "
-                                  f"(greedy, chain of {spec.depth}):")
+                                  f"(greedy, {'block' if spec.parallel else 'chain'} of "
+                                  f"{spec.depth}):")
     print(table, flush=True)
     log = {"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
            "commands": commands, "head_spec": dataclasses.asdict(spec),

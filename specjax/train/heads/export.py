@@ -58,6 +58,28 @@ def write_model_card(out: Path, spec: HeadSpec, args: argparse.Namespace, log: d
         training = (f"training-time test: the head's chain unrolled over {spec.depth} steps as "
                     "the engine drafts it (step j attends to the step-1 keys of the accepted "
                     "prefix plus the chain's own keys)")
+    elif spec.kind == "pard":
+        what = (f"a PARD draft model for `{args.target.name}` (any target of its tokenizer): a "
+                f"{spec.drafter_layers}-layer causal LM shaped like the target's layers, its "
+                "vocabulary plus one mask token (`pard_token` in config.json), started from the "
+                f"target's embeddings and first {spec.drafter_layers} layers")
+        files = (f"a Hugging Face Llama folder (`config.json` with `pard_token`, "
+                 f"`model.safetensors` in {log['save_dtype']}, `tokenizer.json`)")
+        use = f"PARDConfig(max_draft_len={spec.depth}, speculative_model=\"{out}\")"
+        training = (f"the PARD objective: at every anchor the prefix and {spec.depth - 1} mask "
+                    "tokens, row k after the prefix predicting the token k ahead")
+    elif spec.kind == "dflash":
+        what = (f"a DFlash drafter for `{args.target.name}`: {spec.drafter_layers} decoder "
+                f"layers shaped like the target's (started from its first ones), fc over the "
+                f"target's residual streams after layers {list(spec.capture_layers)} (0-based) "
+                "injected as keys and values into every layer; the embeddings and LM head are "
+                "the target's")
+        files = (f"`config.json` + `model.safetensors` in the layout of "
+                 f"`specjax.models.dflash_checkpoint` ({log['save_dtype']})")
+        use = f"DFlashConfig(max_draft_len={spec.depth}, speculative_model=\"{out}\")"
+        training = (f"every position an anchor: the block [token, mask x {spec.depth}] sees the "
+                    "context before it and itself (bidirectionally), block row k labelled with "
+                    "the target's distribution k - 1 rows on")
     else:
         modules = ("an MTP-Eagle module (one module reused for every draft step)"
                    if spec.num_modules == 1

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 from specjax.models import Llama
 from specjax.train.heads.chain import (draft_to_target_ids, run_chain, shift_rows,
                                        teacher_forced_step_tokens)
+from specjax.train.heads.parallel import parallel_logits
 from specjax.train.heads.spec import HeadSpec
 
 
@@ -29,7 +30,11 @@ def head_loss(spec: HeadSpec, head, target: Llama, tokens: jax.Array, valid: jax
     """The TTT / dense-chain soft cross-entropy on one batch (see the package and module docstrings).
     tokens, valid `[B, T+1]`; target_logits `[B, T+1, V]`. -> (loss, per-step metrics)."""
     K, T = spec.depth, tokens.shape[1] - 1
-    step_logits = run_chain(spec, head, target, captured, teacher_forced_step_tokens(tokens, K))
+    if spec.parallel:
+        step_logits = parallel_logits(spec, head, target, captured, tokens)
+    else:
+        step_logits = run_chain(spec, head, target, captured,
+                                teacher_forced_step_tokens(tokens, K))
     if spec.kind == "eagle3":
         label_logits = jnp.take(target_logits,
                                 head.to_target_ids(jnp.arange(spec.draft_vocab)), axis=-1)

@@ -21,6 +21,7 @@ from specjax.models.llama import layer_windows
 from specjax.train.heads.attention import masked_attention
 from specjax.train.heads.chain import (draft_to_target_ids, run_chain, shift_rows,
                                        teacher_forced_step_tokens)
+from specjax.train.heads.parallel import parallel_logits
 from specjax.train.heads.spec import HeadSpec, split_head
 
 
@@ -78,6 +79,11 @@ def _report_batch(spec: HeadSpec, head_def, target_def, params, rest, target_sta
     head = nnx.merge(head_def, params, rest)
     K, T = spec.depth, tokens.shape[1] - 1
     logits, captured = target.forward(tokens, capture_layers=spec.needed_layers)
+    if spec.parallel:  # drafts do not read earlier drafts: the exact report needs no inputs
+        labels = greedy_chain_tokens(target, tokens, K, logits)
+        step_logits = parallel_logits(spec, head, target, captured, tokens)
+        drafts = jnp.stack([jnp.argmax(x, -1) for x in step_logits])
+        return drafts == labels, valid[:, 1:]
     if spec.chain:
         labels = greedy_chain_tokens(target, tokens, K, logits)           # [K, B, T]
         step_tokens = jnp.concatenate([tokens[None, :, 1:], labels[:-1]])
@@ -129,8 +135,10 @@ def chain_report(agree: np.ndarray, mask: np.ndarray) -> dict:
 
 def acceptance_report(spec: HeadSpec, head, target: Llama, batches: list[dict]) -> dict:
     report = chain_report(*chain_agreement(spec, head, target, batches))
-    report["chain_inputs"] = ("the target's greedy tokens (exact chain acceptance)" if spec.chain
-                              else "corpus tokens (teacher-forced dense chain)")
+    report["chain_inputs"] = (
+        "none: one pass drafts the block (exact acceptance)" if spec.parallel else
+        "the target's greedy tokens (exact chain acceptance)" if spec.chain
+        else "corpus tokens (teacher-forced dense chain)")
     return report
 
 

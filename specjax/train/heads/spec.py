@@ -9,6 +9,7 @@ import numpy as np
 from flax import nnx
 
 from specjax.models import Llama
+from specjax.models.dflash_head import DFlashHead, DFlashHeadConfig
 from specjax.models.eagle3_head import Eagle3Head, Eagle3HeadConfig
 from specjax.models.mtp_head import MTPHeads, target_lm_head
 
@@ -19,7 +20,10 @@ class HeadSpec:
 
     kind "eagle3": `capture_layers` are the three fused target layers and `draft_vocab` the
     head's output width. kind "mtp": `num_modules` MTP modules; one module is MTP-Eagle (the
-    chain), more is vanilla MTP (the dense chain)."""
+    chain), more is vanilla MTP (the dense chain). The parallel drafters: kind "pard" (a
+    small causal LM, `drafter_layers` layers shaped like the target's), kind "dflash"
+    (`drafter_layers` layers reading the target at `capture_layers`); `depth` is the block
+    they propose in one pass."""
 
     kind: str
     depth: int
@@ -28,13 +32,26 @@ class HeadSpec:
     draft_vocab: int = 0
     num_modules: int = 0
     step_weight: float = 0.8
+    drafter_layers: int = 0
 
     def __post_init__(self):
-        if self.kind not in ("eagle3", "mtp"):
+        if self.kind not in ("eagle3", "mtp", "pard", "dflash"):
             raise ValueError(f"unknown head kind {self.kind!r}")
         if self.depth < 1:
             raise ValueError(f"--depth must be >= 1, got {self.depth}")
-        if self.kind == "eagle3":
+        if self.parallel:
+            if not 1 <= self.drafter_layers:
+                raise ValueError(f"--drafter-layers must be >= 1, got {self.drafter_layers}")
+            if self.kind == "pard" and self.drafter_layers > self.num_layers:
+                raise ValueError(f"--drafter-layers {self.drafter_layers} exceeds the target's "
+                                 f"{self.num_layers} layers (PARD starts from the first ones)")
+            bad = [x for x in self.capture_layers if not 0 <= x < self.num_layers]
+            if bad or list(self.capture_layers) != sorted(set(self.capture_layers)):
+                raise ValueError(f"--layers {list(self.capture_layers)}: distinct ascending "
+                                 f"layers of the target's {self.num_layers} (0..{self.num_layers - 1})")
+            if self.kind == "dflash" and not self.capture_layers:
+                raise ValueError("DFlash needs at least one target layer (--layers)")
+        elif self.kind == "eagle3":
             layers = self.capture_layers
             if len(layers) != 3 or len(set(layers)) != 3 or list(layers) != sorted(layers):
                 raise ValueError(f"--layers must be 3 distinct ascending layers, got {list(layers)}")
@@ -50,10 +67,15 @@ class HeadSpec:
                                  "vanilla MTP drafts one token per module")
 
     @property
+    def parallel(self) -> bool:
+        """All `depth` drafts from one pass (PARD, DFlash)."""
+        return self.kind in ("pard", "dflash")
+
+    @property
     def chain(self) -> bool:
         """True for the training-time-test chain (EAGLE-3, MTP-Eagle); False for the dense
         vanilla-MTP chain."""
-        return self.kind == "eagle3" or self.num_modules == 1
+        return self.kind == "eagle3" or (self.kind == "mtp" and self.num_modules == 1)
 
     @property
     def needed_layers(self) -> tuple[int, ...]:
@@ -62,6 +84,8 @@ class HeadSpec:
 
     @property
     def label(self) -> str:
+        if self.kind in ("pard", "dflash"):
+            return {"pard": "PARD", "dflash": "DFlash"}[self.kind]
         if self.kind == "eagle3":
             return "EAGLE-3"
         return "MTP-Eagle" if self.num_modules == 1 else f"MTP ({self.num_modules} modules)"
@@ -92,6 +116,8 @@ def new_head(spec: HeadSpec, target: Llama, seed: int, counts: np.ndarray | None
     H = target.config.hidden_size
     eye = jnp.eye(H, dtype=jnp.dtype(target.config.dtype))
     final_norm = jnp.array(target.final_norm[...], copy=True)  # never share a buffer (donation)
+    if spec.parallel:
+        return _new_parallel(spec, target, rngs, eye, final_norm)
     if spec.kind == "mtp":
         heads = MTPHeads(target.config, spec.num_modules, rngs=rngs)
         for module in heads.modules:
@@ -112,6 +138,35 @@ def new_head(spec: HeadSpec, target: Llama, seed: int, counts: np.ndarray | None
     head.lm_head[...] = jnp.take(target_lm_head(target), ids, axis=1).astype(head.lm_head.dtype)
     head.norm[...] = final_norm
     return head
+
+
+def _new_parallel(spec: HeadSpec, target: Llama, rngs: nnx.Rngs, eye, final_norm):
+    """PARD: the target's embeddings (plus a mask row, the mean embedding), its first
+    `drafter_layers` layers and final norm. DFlash: the target's first `drafter_layers` layers
+    and final norm; fc passes the first captured layer through."""
+    cfg, n = target.config, spec.drafter_layers
+    copy = lambda x: jnp.array(x, copy=True)
+    if spec.kind == "pard":
+        draft = Llama(cfg.replace(vocab_size=cfg.vocab_size + 1, num_layers=n,
+                                  sliding_windows=None), rngs=rngs)
+        embed = target.embed[...]
+        draft.embed[...] = jnp.concatenate([embed, embed.mean(0, keepdims=True)]).astype(
+            draft.embed.dtype)
+        if not cfg.tie_word_embeddings:
+            lm = target.lm_head[...]
+            draft.lm_head[...] = jnp.concatenate([lm, jnp.zeros_like(lm[:, :1])], axis=1)
+        layers = draft.layers
+    else:
+        config = DFlashHeadConfig.for_target(cfg, n, spec.capture_layers, spec.depth)
+        draft = DFlashHead(config, rngs=rngs)
+        H = cfg.hidden_size
+        draft.fc[...] = draft.fc[...].at[:H].add(eye)
+        draft.body.embed[...] = target.embed[...].mean(0, keepdims=True)
+        layers = draft.body.layers
+    for name, param in target.layers.items():
+        layers[name][...] = copy(param[...][:n])
+    (draft.final_norm if spec.kind == "pard" else draft.body.final_norm)[...] = final_norm
+    return draft
 
 
 def split_head(head):
