@@ -18,19 +18,20 @@ from specjax.models import (DFlashHead, Eagle3Head, Eagle3HeadConfig, MTPHeads,
 from specjax.sampling_params import SamplingParams
 from specjax.speculative.build import (Speculation, build_speculation, get_spec_drafter,
                                        get_spec_worker, load_draft_model)
-from specjax.speculative.config import (DFlashConfig, DraftTargetConfig, EagleConfig, MTPConfig,
-                                        NGramConfig, PARDConfig, SaveHiddenStatesConfig,
+from specjax.speculative.config import (AutoConfig, DFlashConfig, DraftTargetConfig, EagleConfig,
+                                        MTPConfig, NGramConfig, PARDConfig, SAConfig,
+                                        SAEnhancerConfig, SaveHiddenStatesConfig,
                                         SpeculativeConfig, UserProvidedConfig)
-from specjax.speculative.drafters import Drafter, NGramDrafter
+from specjax.speculative.drafters import Drafter, NGramDrafter, SuffixAutomaton
 from specjax.speculative.modes import SpeculativeDecodingMode
 from specjax.speculative.schedule import SpeculationGate, get_draft_len_for_batch_size
 
-__all__ = ["DFlashConfig", "DFlashHead", "DraftTargetConfig", "Drafter", "Eagle3Head",
+__all__ = ["AutoConfig", "DFlashConfig", "DFlashHead", "DraftTargetConfig", "Drafter", "Eagle3Head",
            "Eagle3HeadConfig", "EagleConfig", "Engine", "EngineConfig", "LLM", "MTPConfig",
            "MTPHeads", "NGramConfig", "NGramDrafter", "PARDConfig", "RequestOutput",
-           "RequestStats", "SamplingParams",
+           "RequestStats", "SAConfig", "SAEnhancerConfig", "SamplingParams",
            "SaveHiddenStatesConfig", "Speculation", "SpeculationGate", "SpeculativeConfig",
-           "SpeculativeDecodingMode", "UserProvidedConfig", "build_speculation",
+           "SpeculativeDecodingMode", "SuffixAutomaton", "UserProvidedConfig", "build_speculation",
            "get_draft_len_for_batch_size", "get_spec_drafter", "get_spec_worker",
            "load_dflash_head", "load_draft_model", "load_eagle3_head", "save_dflash_head",
            "save_eagle3_head", "save_pard_model"]

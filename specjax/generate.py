@@ -90,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     tokens = sum(len(o.token_ids) for o in outputs)
     print(f"[{tokens} tokens in {elapsed:.2f} s (compiling included): "
           f"{tokens / elapsed:.1f} tokens/s; model {llm.model_path}]", file=sys.stderr)
+    spec = llm.speculative_config  # what "auto" resolved to
     if spec is not None and (spec.mode.has_spec_decoder() or spec.mode.has_spec_drafter()):
         print(f"[{spec.mode.name}: {speculation_summary(llm.stats)}]", file=sys.stderr)
     return 0

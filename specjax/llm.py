@@ -13,7 +13,7 @@ from specjax.models import Llama, load_hf_checkpoint
 from specjax.models.registry import resolve_model_path
 from specjax.sampling_params import SamplingParams
 from specjax.speculative.config import SpeculativeConfig
-from specjax.speculative.defaults import with_shipped_drafter
+from specjax.speculative.defaults import resolve_auto, with_shipped_drafter
 from specjax.tokenizer import Tokenizer
 
 Prompt = str | Sequence[int]
@@ -48,7 +48,9 @@ class LLM:
         if isinstance(model, Llama):
             self.model_path = None
         else:
-            # LLM("bundled", speculative_config=EagleConfig()) reads the shipped head.
+            # AutoConfig prefers a drafter shipped for the model; LLM("bundled",
+            # speculative_config=EagleConfig()) reads the shipped head.
+            speculative_config = resolve_auto(speculative_config, model, max_batch_size)
             speculative_config = with_shipped_drafter(speculative_config, model)
             self.model_path = resolve_model_path(model)
             model = load_hf_checkpoint(self.model_path, dtype=dtype)
@@ -67,6 +69,12 @@ class LLM:
         """Compile every step shape serving can use now (or load it from the compilation
         cache), so that generating never compiles afterwards."""
         self.engine.warmup(progress=self.progress if progress is None else progress)
+
+    @property
+    def speculative_config(self) -> SpeculativeConfig | None:
+        """The speculation the engine runs (what an AutoConfig resolved to; a bundled
+        drafter's name filled in)."""
+        return self.engine.speculation.config
 
     @property
     def stats(self):

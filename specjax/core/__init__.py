@@ -18,8 +18,11 @@ batch of width D+1 > 1 carries [newest token, drafts] per row. A tree worker's g
 batches are 1 + T wide (T = `worker.tree.nodes_for(depth)`), and `out.new_tokens` is
 `[B, depth+1]` (`specjax.core.tree`). In-step drafters (draft model,
 EAGLE-3, MTP) come from `specjax.speculative.build_speculation(config, target)`, and their
-steps read each row's run from the device (`runs_on_device`). `examples/custom_loop.py` drives
-NGram and EAGLE-3 this way and checks the tokens against `LLM.generate`.
+steps read each row's run from the device (`runs_on_device`). SA drafts inside the steps
+too: pass `suffix=SuffixSpec(...)` to both step makers and to `init_state` (with
+`history_len`), alone or beside a worker (the enhancer; `Speculation.suffix` is what a config
+gives). `examples/custom_loop.py` drives NGram and EAGLE-3 this way and checks the tokens
+against `LLM.generate`.
 """
 from specjax.core.accept import rejection_accept, strict_accept, target_tokens
 from specjax.core.batch import GenerationOutput, PrefillOutput, StepBatch, empty_batch, set_row
@@ -29,6 +32,7 @@ from specjax.core.sampling import filter_logits, sample, sampling_keys
 from specjax.core.state import (EngineState, Params, SlotState, init_state, make_slot_state,
                                 split_model)
 from specjax.core.steps import make_generation_step, make_prefill_step, runs_on_device
+from specjax.core.suffix import SuffixSpec, SuffixState
 from specjax.core.tree import TreeShape, relocate_path, tree_accept, tree_layout
 from specjax.core.worker import DraftWorker
 
@@ -37,5 +41,5 @@ __all__ = ["DraftWorker", "EngineState", "GenerationOutput", "KVPool", "NULL_BLO
            "filter_logits", "init_state", "make_generation_step", "make_kv_pool",
            "make_prefill_step", "make_slot_state", "paged_forward", "rejection_accept",
            "relocate_path", "runs_on_device", "sample", "sampling_keys", "set_row",
-           "split_model", "strict_accept", "target_tokens", "TreeShape", "tree_accept",
+           "split_model", "strict_accept", "SuffixSpec", "SuffixState", "target_tokens", "TreeShape", "tree_accept",
            "tree_layout"]

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from specjax.core.kv import KVPool, make_kv_pool
+from specjax.core.suffix import SuffixSpec, SuffixState, make_suffix_state
 from specjax.core.worker import DraftWorker, tree_of
 from specjax.models.config import ModelConfig
 from specjax.models.llama import Llama
@@ -37,6 +38,9 @@ class SlotState:
     # [S+1, T] int32: with a draft tree in `run`, each node's parent row (0 = the newest
     # token; see `specjax.core.tree`); None for chains.
     tree_parents: jax.Array | None = None
+    # [S+1] bool: the row's drafts came from SA, which gives no distribution, so the next step
+    # accepts them by strict matching; kept only beside draft_probs when the SA enhancer runs.
+    strict: jax.Array | None = None
 
     @property
     def spare(self) -> int:
@@ -45,24 +49,28 @@ class SlotState:
 
 
 def make_slot_state(num_slots: int, max_draft_len: int, vocab_size: int = 0,
-                    tree: bool = False) -> SlotState:
+                    tree: bool = False, strict: bool = False) -> SlotState:
     """Slot state for `num_slots` slots plus the spare, runs of up to `max_draft_len` drafts
-    (a tree's nodes); `vocab_size` > 0 keeps draft probs, `tree` the nodes' parents."""
+    (a tree's nodes); `vocab_size` > 0 keeps draft probs, `tree` the nodes' parents, `strict`
+    which rows' drafts have no distribution."""
     probs = (jnp.zeros((num_slots + 1, max_draft_len, vocab_size), jnp.float32)
              if vocab_size else None)
     parents = jnp.zeros((num_slots + 1, max_draft_len), jnp.int32) if tree else None
     return SlotState(run=jnp.zeros((num_slots + 1, max_draft_len + 1), jnp.int32),
                      start=jnp.zeros(num_slots + 1, jnp.int32),
                      num_drafts=jnp.zeros(num_slots + 1, jnp.int32), draft_probs=probs,
-                     tree_parents=parents)
+                     tree_parents=parents,
+                     strict=jnp.zeros(num_slots + 1, bool) if strict else None)
 
 
 def write_slots(slots: SlotState, rows: jax.Array, run: jax.Array, start: jax.Array,
                 num_drafts: jax.Array, draft_probs: jax.Array | None = None,
-                tree_parents: jax.Array | None = None) -> SlotState:
+                tree_parents: jax.Array | None = None,
+                strict: jax.Array | None = None) -> SlotState:
     """Record each row's newest token and drafts where the next step reads them: rows `[B]`
     (slot ids), run `[B, <=D_max+1]`, start `[B]`, num_drafts `[B]`, draft_probs
-    `[B, D, V]` (kept only where the state has room for them), tree_parents `[B, T]`."""
+    `[B, D, V]` (kept only where the state has room for them), tree_parents `[B, T]`, strict
+    `[B]` (likewise)."""
     widen = lambda x, width: jnp.zeros((x.shape[0], width), jnp.int32).at[:, :x.shape[1]].set(x)
     slots = slots.replace(run=slots.run.at[rows].set(widen(run, slots.run.shape[1])),
                           start=slots.start.at[rows].set(start),
@@ -74,6 +82,8 @@ def write_slots(slots: SlotState, rows: jax.Array, run: jax.Array, start: jax.Ar
         width = slots.tree_parents.shape[1]
         slots = slots.replace(tree_parents=slots.tree_parents.at[rows].set(
             widen(tree_parents, width)))
+    if strict is not None and slots.strict is not None:
+        slots = slots.replace(strict=slots.strict.at[rows].set(strict))
     return slots
 
 
@@ -92,6 +102,7 @@ class EngineState:
     target: KVPool           # [L, N, bs, KV, hd]: the target's pool
     slots: SlotState         # per-slot newest token, drafts and their distributions
     draft: KVPool | None = None  # the in-step drafter's pool (same block tables), or None
+    suffix: SuffixState | None = None  # SA's per-slot token history, or None
 
 
 def split_model(target: Llama, draft: nnx.Module | None = None
@@ -109,17 +120,22 @@ def split_model(target: Llama, draft: nnx.Module | None = None
 
 
 def init_state(config: ModelConfig, *, num_slots: int, num_blocks: int, tokens_per_block: int,
-               max_draft_len: int = 0, worker: DraftWorker | None = None) -> EngineState:
+               max_draft_len: int = 0, worker: DraftWorker | None = None,
+               suffix: SuffixSpec | None = None, history_len: int = 0) -> EngineState:
     """Zeroed device state for a target with `config`: its pool, slot state
-    for `num_slots` requests and drafts up to `max_draft_len` (a tree worker's: nodes), and the
-    worker's pool. Draft distributions are kept when the worker does rejection sampling, the
-    nodes' parents when it drafts trees."""
+    for `num_slots` requests and drafts up to `max_draft_len` (a tree worker's: nodes), the
+    worker's pool, and with SA (`suffix`) a token history of `history_len` (the longest
+    request) per slot. Draft distributions are kept when the worker does rejection sampling,
+    the nodes' parents when it drafts trees."""
     keep_probs = worker is not None and worker.rejection_sampling
     tree = tree_of(worker) is not None
+    if suffix is not None and history_len < 1:
+        raise ValueError("SA needs history_len: the longest request's tokens (max_model_len)")
     return EngineState(
         target=make_kv_pool(config.num_layers, config.num_kv_heads, config.head_dim, num_blocks,
                             tokens_per_block, config.dtype),
         slots=make_slot_state(num_slots, max_draft_len, config.vocab_size if keep_probs else 0,
-                              tree),
+                              tree, strict=keep_probs and suffix is not None),
         draft=None if worker is None else worker.make_kv(num_blocks, tokens_per_block,
-                                                         config.dtype))
+                                                         config.dtype),
+        suffix=None if suffix is None else make_suffix_state(suffix, num_slots, history_len))

@@ -13,6 +13,11 @@ through the same function.
 Both steps end by writing each row's newest token and drafts to the slot state
 (`write_slots`), so a generation step can start where the last step ended without a host round
 trip (`runs_on_device`): that is what lets the host dispatch step N+1 before reading step N.
+
+With SA (`suffix`, static like the worker) both steps also record each row's committed tokens
+in its history (`specjax.core.suffix`) and draft from it: alone (mode SA), or as the enhancer
+that replaces the worker's drafts for rows whose context repeats. A sampled row's SA drafts
+are accepted by strict matching (`SlotState.strict`): they have no draft distribution.
 """
 from __future__ import annotations
 
@@ -27,15 +32,17 @@ from specjax.core.batch import GenerationOutput, PrefillOutput, StepBatch
 from specjax.core.forward import last_rows, paged_forward
 from specjax.core.sampling import sample, sampling_keys
 from specjax.core.state import EngineState, Params, SlotState, write_slots
+from specjax.core.suffix import SuffixSpec, SuffixState, prefer, propose, record, retire
 from specjax.core.tree import relocate_path, tree_accept, tree_layout
 from specjax.core.worker import DraftWorker, tree_of
 
 
-def runs_on_device(worker: DraftWorker | None, draft_len: int) -> bool:
+def runs_on_device(worker: DraftWorker | None, draft_len: int,
+                   suffix: SuffixSpec | None = None) -> bool:
     """Whether a generation step takes its runs from slot state rather than from the host: an
-    in-step drafter's drafts exist only on the device, and plain decoding needs nothing the
-    device does not hold. Host drafters' drafts come from the host with the batch."""
-    return worker is not None or draft_len == 0
+    in-step drafter's (or SA's) drafts exist only on the device, and plain decoding needs
+    nothing the device does not hold. Host drafters' drafts come from the host with the batch."""
+    return worker is not None or suffix is not None or draft_len == 0
 
 
 def runs_from_slots(batch: StepBatch, slots: SlotState, D: int) -> StepBatch:
@@ -59,14 +66,26 @@ def _capture_layers(worker: DraftWorker | None, save_layers: tuple[int, ...]) ->
     return worker.capture_layers if worker is not None else save_layers
 
 
+def record_prompt_chunk(history: SuffixState, batch: StepBatch, following: jax.Array
+                        ) -> SuffixState:
+    """A prompt chunk's tokens and the token after it go into each row's history; a row that
+    starts a request first hands what its slot held to the global pool."""
+    B, C = batch.tokens.shape
+    history = retire(history, batch.slots, (batch.start_pos == 0) & (batch.query_lens > 0))
+    seq = jnp.concatenate([batch.tokens, jnp.zeros((B, 1), batch.tokens.dtype)], axis=1)
+    seq = jnp.where(jnp.arange(C + 1) == batch.query_lens[:, None], following[:, None], seq)
+    return record(history, batch.slots, batch.start_pos, seq, batch.query_lens + 1)
+
+
 @functools.lru_cache(maxsize=None)  # engines over one model share compiled steps
 def make_prefill_step(graphdef: nnx.GraphDef, worker: DraftWorker | None = None,
-                      save_layers: tuple[int, ...] = ()):
+                      save_layers: tuple[int, ...] = (), suffix: SuffixSpec | None = None):
     """The jitted prompt-chunk step for targets of this graph definition. Each row's run is a
     chunk of its prompt; the output is the token sampled after each row's run (meaningful for
     rows whose run ends the prompt). An in-step drafter processes the same runs, so its pool
-    stays level with the target's, and may draft after a prompt's last chunk. With
-    `save_layers` the output carries the residual streams after those layers."""
+    stays level with the target's, and may draft after a prompt's last chunk; SA records the
+    chunk and drafts there too. With `save_layers` the output carries the residual streams
+    after those layers."""
     capture = _capture_layers(worker, save_layers)
 
     def prefill(params: Params, state: EngineState, batch: StepBatch
@@ -77,25 +96,34 @@ def make_prefill_step(graphdef: nnx.GraphDef, worker: DraftWorker | None = None,
         keys = sampling_keys(batch.seeds, batch.start_pos + batch.query_lens)
         tokens = sample(logits, batch.temperature, batch.top_k, batch.top_p, batch.min_p, keys)
         run, num_drafts, kv_draft = tokens[:, None], jnp.zeros_like(tokens), state.draft
-        probs = parents = None
+        # The token after each run: the next prompt token, or the one just sampled.
+        ends = batch.next_tokens < 0
+        following = jnp.where(ends, tokens, batch.next_tokens)
+        tree = tree_of(worker)
+        depth = tree.max_depth if tree else state.slots.run.shape[1] - 1
+        drafts = probs = parents = from_sa = None
         if worker is not None:
-            # The token after each run: the next prompt token, or the one just sampled.
-            ends = batch.next_tokens < 0
-            following = jnp.where(ends, tokens, batch.next_tokens)
-            tree = tree_of(worker)
-            num = tree.max_depth if tree else state.slots.run.shape[1] - 1
             kv_draft, drafts, extra = worker.catch_up(params.draft, kv_draft, batch, model,
-                                                      captured, following, num)
+                                                      captured, following, depth)
             if tree:  # a tree worker hands back the nodes' parents, a chain its distributions
                 parents = extra
             else:
                 probs = extra
-            if drafts is not None:  # the first generation step verifies these
-                run = jnp.concatenate([run, drafts], axis=1)
-                num_drafts = jnp.where(ends & (batch.query_lens > 0), drafts.shape[1], 0)
+        history = state.suffix
+        num = None if drafts is None else jnp.full_like(tokens, drafts.shape[1])
+        if suffix is not None and worker is not None and drafts is None:
+            # The drafter drafts from the first generation step on; SA may already now.
+            drafts, num = jnp.zeros((tokens.shape[0], depth), jnp.int32), jnp.zeros_like(tokens)
+        if suffix is not None:
+            history = record_prompt_chunk(history, batch, following)
+            drafts, num, from_sa, parents = prefer(
+                suffix, propose(suffix, history, batch.slots, depth), drafts, num, parents)
+        if drafts is not None:  # the first generation step verifies these
+            run = jnp.concatenate([run, drafts], axis=1)
+            num_drafts = jnp.where(ends & (batch.query_lens > 0), num, 0)
         slots = write_slots(state.slots, batch.slots, run, batch.start_pos + batch.query_lens,
-                            num_drafts, probs, parents)
-        return (EngineState(target=kv_target, slots=slots, draft=kv_draft),
+                            num_drafts, probs, parents, from_sa)
+        return (EngineState(target=kv_target, slots=slots, draft=kv_draft, suffix=history),
                 PrefillOutput(tokens=tokens, hidden_states=captured if save_layers else None))
 
     return jax.jit(prefill, donate_argnums=(1,))
@@ -103,18 +131,20 @@ def make_prefill_step(graphdef: nnx.GraphDef, worker: DraftWorker | None = None,
 
 @functools.lru_cache(maxsize=None)  # engines over one model share compiled steps
 def make_generation_step(graphdef: nnx.GraphDef, worker: DraftWorker | None = None,
-                         save_layers: tuple[int, ...] = ()):
+                         save_layers: tuple[int, ...] = (), suffix: SuffixSpec | None = None):
     """The jitted generation step: verify each row's [newest token, drafts] (padded to D+1,
-    query_lens = 1 + real draft length), accept, and -- with an in-step drafter -- draft the
-    next D tokens. Without a worker, D > 0 runs verify the drafts the host put in the batch."""
+    query_lens = 1 + real draft length), accept, and -- with an in-step drafter or SA -- draft
+    the next D tokens. Without either, D > 0 runs verify the drafts the host put in the
+    batch."""
     capture = _capture_layers(worker, save_layers)
     if tree_of(worker) is not None:
-        return jax.jit(functools.partial(tree_generation, graphdef, worker), donate_argnums=(1,))
+        return jax.jit(functools.partial(tree_generation, graphdef, worker, suffix),
+                       donate_argnums=(1,))
 
     def generation(params: Params, state: EngineState, batch: StepBatch
                    ) -> tuple[EngineState, GenerationOutput]:
         D = batch.tokens.shape[1] - 1
-        if runs_on_device(worker, D):
+        if runs_on_device(worker, D, suffix):
             batch = runs_from_slots(batch, state.slots, D)
         batch = clip_to_room(batch)
         model = nnx.merge(graphdef, params.target)
@@ -123,38 +153,51 @@ def make_generation_step(graphdef: nnx.GraphDef, worker: DraftWorker | None = No
         # Decided by shapes: without draft distributions acceptance fails closed to strict.
         draft_probs = state.slots.draft_probs
         rejection = draft_probs is not None and D > 0
-        # Rejection sampling decides every sampled row, so strict matching need not sample.
-        strict_temperature = jnp.zeros_like(batch.temperature) if rejection else batch.temperature
+        # Rejection sampling decides every sampled row whose drafts have a distribution (not
+        # SA's: `strict`), so strict matching need not sample those.
+        by_rejection = batch.temperature > 0 if rejection else jnp.zeros(batch.slots.shape, bool)
+        if rejection and state.slots.strict is not None:
+            by_rejection = by_rejection & ~state.slots.strict[batch.slots]
+        strict_temperature = jnp.where(by_rejection, 0.0, batch.temperature)
         positions = batch.start_pos[:, None] + jnp.arange(D + 1)
         targets = target_tokens(logits, positions, strict_temperature,
                                 batch.top_k, batch.top_p, batch.min_p, batch.seeds)
         drafts_in, draft_lens = batch.tokens[:, 1:], batch.query_lens - 1
         new_tokens, lens = strict_accept(drafts_in, draft_lens, targets)
         if rejection:
-            new_tokens, lens = rejection_accept(logits, batch, drafts_in, draft_lens,
-                                                draft_probs[batch.slots, :D], new_tokens, lens)
+            new_tokens, lens = rejection_accept(
+                logits, batch.replace(temperature=jnp.where(by_rejection, batch.temperature, 0.0)),
+                drafts_in, draft_lens, draft_probs[batch.slots, :D], new_tokens, lens)
         B = batch.tokens.shape[0]
         drafts, probs, kv_draft = jnp.zeros((B, 0), jnp.int32), None, state.draft
         if worker is not None:
             kv_draft, drafts, probs = worker.draft(params.draft, kv_draft, batch, model,
                                                    captured, new_tokens, lens, D)
+        num = jnp.full((B,), drafts.shape[1], jnp.int32)
+        history, from_sa = state.suffix, None
+        if suffix is not None:
+            history = record(history, batch.slots, batch.start_pos + 1, new_tokens, lens)
+            if D > 0:
+                drafts, num, from_sa, _ = prefer(suffix, propose(suffix, history, batch.slots, D),
+                                                 drafts if worker is not None else None, num)
         newest = jnp.take_along_axis(new_tokens, (lens - 1)[:, None], axis=1)
         slots = write_slots(state.slots, batch.slots, jnp.concatenate([newest, drafts], axis=1),
-                            batch.start_pos + lens, jnp.full((B,), drafts.shape[1], jnp.int32),
-                            probs)
-        return (EngineState(target=kv_target, slots=slots, draft=kv_draft),
+                            batch.start_pos + lens, num, probs, strict=from_sa)
+        return (EngineState(target=kv_target, slots=slots, draft=kv_draft, suffix=history),
                 GenerationOutput(new_tokens, lens, drafts, draft_lens,
                                  captured if save_layers else None))
 
     return jax.jit(generation, donate_argnums=(1,))
 
 
-def tree_generation(graphdef: nnx.GraphDef, worker: DraftWorker, params: Params,
-                    state: EngineState, batch: StepBatch) -> tuple[EngineState, GenerationOutput]:
+def tree_generation(graphdef: nnx.GraphDef, worker: DraftWorker, suffix: SuffixSpec | None,
+                    params: Params, state: EngineState, batch: StepBatch
+                    ) -> tuple[EngineState, GenerationOutput]:
     """The generation step of a tree drafter: each row's run is [newest token, T tree nodes]
     from slot state (T = the batch's width - 1, which fixes the depth). Verify the tree in one
     target pass, walk the accepted path (`tree_accept`), move its K/V to linear positions,
-    and let the worker catch up over the path and grow the next tree."""
+    and let the worker catch up over the path and grow the next tree (which the SA enhancer
+    replaces by its chain for rows whose context repeats)."""
     shape = worker.tree
     T = batch.tokens.shape[1] - 1
     depth = shape.depth_for(T)
@@ -177,10 +220,17 @@ def tree_generation(graphdef: nnx.GraphDef, worker: DraftWorker, params: Params,
     kv_draft, drafts, tree_parents = worker.draft(params.draft, state.draft, batch, model,
                                                   captured, new_tokens, lens, depth)
     B = batch.tokens.shape[0]
+    num = jnp.full((B,), drafts.shape[1], jnp.int32)
+    history = state.suffix
+    if suffix is not None:
+        history = record(history, batch.slots, batch.start_pos + 1, new_tokens, lens)
+        if depth > 0:
+            drafts, num, _, tree_parents = prefer(suffix, propose(suffix, history, batch.slots,
+                                                                  depth),
+                                                  drafts, num, tree_parents)
     newest = jnp.take_along_axis(new_tokens, (lens - 1)[:, None], axis=1)
     slots = write_slots(state.slots, batch.slots, jnp.concatenate([newest, drafts], axis=1),
-                        batch.start_pos + lens, jnp.full((B,), drafts.shape[1], jnp.int32),
-                        tree_parents=tree_parents)
+                        batch.start_pos + lens, num, tree_parents=tree_parents)
     deepest = jnp.max(jnp.where(layout.valid, layout.depths, 0), axis=1)
-    return (EngineState(target=kv_target, slots=slots, draft=kv_draft),
+    return (EngineState(target=kv_target, slots=slots, draft=kv_draft, suffix=history),
             GenerationOutput(new_tokens, lens, drafts, jnp.where(real, deepest, 0)))

@@ -39,6 +39,7 @@ from specjax.models.llama import Llama
 from specjax.sampling_params import SamplingParams
 from specjax.speculative.build import build_speculation
 from specjax.speculative.config import SpeculativeConfig
+from specjax.speculative.defaults import resolve_auto
 from specjax.tokenizer import Tokenizer
 from specjax.validation import check_draft_tokens, check_request
 
@@ -99,6 +100,9 @@ class Engine:
         if self.max_len > mc.max_position_embeddings:
             raise ValueError(f"max_model_len {self.max_len} exceeds the model's "
                              f"max_position_embeddings {mc.max_position_embeddings}")
+        # AUTO: a Llama instance ships no drafter, so the heuristic decides (LLM resolves it
+        # first with the model's name).
+        speculative_config = resolve_auto(speculative_config, None, config.max_batch_size)
         self.speculation = spec = build_speculation(speculative_config, model, self.max_len)
         bs, D = config.tokens_per_block, spec.max_draft_len
         self.stats = EngineStats()
@@ -120,8 +124,10 @@ class Engine:
         graphdef, params = split_model(model, spec.draft_model)
         make_state = lambda: init_state(mc, num_slots=config.max_batch_size,
                                         num_blocks=num_blocks, tokens_per_block=bs,
-                                        max_draft_len=spec.verify_len(D), worker=spec.worker)
+                                        max_draft_len=spec.verify_len(D), worker=spec.worker,
+                                        suffix=spec.suffix, history_len=self.max_len)
         self.executor = Executor(graphdef, params, make_state, self.allocator, worker=spec.worker,
+                                 suffix=spec.suffix,
                                  save_layers=spec.save_layers, blocks_per_seq=blocks_per_seq,
                                  max_batch_size=config.max_batch_size,
                                  prefill_chunk=config.prefill_chunk,
@@ -177,7 +183,7 @@ class Engine:
     def _overlaps(self, draft_len: int) -> bool:
         """Whether a generation step of this draft length may be read one call late: its runs
         come from the device, and speculation (if it drafts) supports the overlap scheduler."""
-        return (self.overlap and runs_on_device(self.worker, draft_len)
+        return (self.overlap and runs_on_device(self.worker, draft_len, self.speculation.suffix)
                 and (draft_len == 0 or self.speculation.overlap))
 
     # -- warm-up -----------------------------------------------------------------------------
@@ -279,7 +285,7 @@ class Engine:
         draft length."""
         candidates = self.scheduler.generation_candidates()
         draft_len = self.draft_len_for(len(candidates)) if candidates else 0
-        if not runs_on_device(self.worker, draft_len):
+        if not runs_on_device(self.worker, draft_len, self.speculation.suffix):
             self._drain()  # a host drafter needs every token so far
             candidates = [r for r in candidates if r.status is Status.RUNNING]
         reserve = self.scheduler.reserve_for(draft_len)

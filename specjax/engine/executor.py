@@ -18,6 +18,7 @@ from tqdm.auto import tqdm
 from specjax.core.batch import PrefillOutput, clear_row, empty_batch, set_row
 from specjax.core.state import EngineState, Params
 from specjax.core.steps import make_generation_step, make_prefill_step
+from specjax.core.suffix import SuffixSpec
 from specjax.core.worker import DraftWorker
 from specjax.engine.allocator import BlockAllocator
 from specjax.engine.bookkeeper import DispatchedStep, GenerationRow
@@ -43,7 +44,7 @@ class Executor:
     def __init__(self, graphdef, params: Params, make_state: Callable[[], EngineState],
                  allocator: BlockAllocator, *, worker: DraftWorker | None,
                  save_layers: tuple[int, ...], blocks_per_seq: int, max_batch_size: int,
-                 prefill_chunk: int, max_prefill_rows: int):
+                 prefill_chunk: int, max_prefill_rows: int, suffix: SuffixSpec | None = None):
         # Everything the steps take lives on one device, committed: a jitted step's signature
         # includes whether each argument is committed, so a mix (a head trained in the same
         # process is committed, a loaded one is not) would compile again after warm-up.
@@ -52,8 +53,8 @@ class Executor:
         self.make_state = lambda: jax.device_put(make_state(), device)
         self.state = state = self.make_state()
         self.allocator = allocator
-        self.prefill_step = make_prefill_step(graphdef, worker, save_layers)
-        self.generation_step = make_generation_step(graphdef, worker, save_layers)
+        self.prefill_step = make_prefill_step(graphdef, worker, save_layers, suffix)
+        self.generation_step = make_generation_step(graphdef, worker, save_layers, suffix)
         self.blocks_per_seq = blocks_per_seq
         self.spare_slot = state.slots.spare  # the slot padded rows write to
         self.prefill_chunk = prefill_chunk

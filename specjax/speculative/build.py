@@ -2,10 +2,12 @@
 
 The mode's predicates decide every piece, never a chain of mode names:
 
-- `use_one_engine()`: the drafter module is loaded and its parameters ride in the step
-  (`Speculation.draft_model`), and the step writes the drafter's K/V past the verified window,
-  which the KV reservation must cover (`Speculation.drafts_in_step`);
-- `has_spec_decoder()`: an in-step worker (`get_spec_worker`);
+- `has_draft_module()`: the drafter module is loaded and its parameters ride in the step
+  (`Speculation.draft_model`) with an in-step worker (`get_spec_worker`), which writes the
+  drafter's K/V past the verified window: the KV reservation covers it
+  (`Speculation.drafts_in_step`);
+- `has_spec_decoder()`: the step drafts -- a worker, SA (`Speculation.suffix`: the request's own
+  tokens, `specjax.core.suffix`), or both (a worker's config with `sa_config`: the enhancer);
 - `has_spec_drafter()`: a host drafter (`get_spec_drafter`) -- the two are mutually exclusive;
 - `support_overlap_scheduler()`: steps with drafts may be dispatched before the previous one
   is read (`Speculation.overlap`);
@@ -21,15 +23,17 @@ from typing import Any
 
 from flax import nnx
 
+from specjax.core.suffix import SuffixSpec
 from specjax.core.tree import TreeShape
 from specjax.core.worker import DraftWorker, tree_of
 from specjax.models import (Llama, load_dflash_head, load_eagle3_head,
                             load_hf_checkpoint, load_mtp_heads, read_mask_token)
 from specjax.models.config import ModelConfig
 from specjax.models.registry import resolve_model_path
-from specjax.speculative.config import (DFlashConfig, DraftTargetConfig, EagleConfig, MTPConfig,
-                                        NGramConfig, PARDConfig, SaveHiddenStatesConfig,
-                                        SpeculativeConfig, UserProvidedConfig)
+from specjax.speculative.config import (AutoConfig, DFlashConfig, DraftTargetConfig, EagleConfig,
+                                        MTPConfig, NGramConfig, PARDConfig, SAConfig,
+                                        SaveHiddenStatesConfig, SpeculativeConfig,
+                                        UserProvidedConfig)
 from specjax.speculative.drafters import Drafter, NGramDrafter
 from specjax.speculative.modes import SpeculativeDecodingMode
 from specjax.speculative.schedule import SpeculationGate, get_draft_len_for_batch_size
@@ -45,10 +49,11 @@ class Speculation:
     drafter: Drafter | None = None         # proposes on the host
     save_hidden_states: SaveHiddenStatesConfig | None = None
     save_layers: tuple[int, ...] = ()      # target layers whose residual streams are saved
+    suffix: SuffixSpec | None = None       # SA drafting in the step (alone, or the enhancer)
 
     @property
     def drafting(self) -> bool:
-        return self.worker is not None or self.drafter is not None
+        return self.worker is not None or self.drafter is not None or self.suffix is not None
 
     @property
     def max_draft_len(self) -> int:
@@ -67,9 +72,9 @@ class Speculation:
 
     @property
     def drafts_in_step(self) -> bool:
-        """The step itself drafts, writing the drafter's K/V up to D positions past the
-        verified window (TensorRT-LLM's extra KV tokens of one-engine modes)."""
-        return self.drafting and self.config.mode.use_one_engine()
+        """An in-step drafter writes its K/V up to D positions past the verified window
+        (TensorRT-LLM's extra KV tokens of one-engine modes); SA alone writes none."""
+        return self.worker is not None
 
     @property
     def overlap(self) -> bool:
@@ -107,17 +112,31 @@ def build_speculation(config: SpeculativeConfig | None, target: Llama,
     if not isinstance(config, SpeculativeConfig):
         raise ValueError(f"speculative_config must be a SpeculativeConfig (e.g. "
                          f"specjax.NGramConfig), got {type(config).__name__}")
+    if isinstance(config, AutoConfig):
+        raise ValueError("AutoConfig is resolved when the engine starts "
+                         "(specjax.speculative.defaults.resolve_auto), not built directly")
     if isinstance(config, SaveHiddenStatesConfig):
         return Speculation(config, save_hidden_states=config,
                            save_layers=config.layers_to_capture(target.config.num_layers))
     draft_model = None
-    if config.mode.use_one_engine():
+    if config.mode.has_draft_module():
         config = with_drafter_fields(config)
         draft_model = load_draft_model(config, target)
         draft_model = draft_model.for_inference()  # the layout the steps run
     return Speculation(config, worker=get_spec_worker(config, draft_model, target.config),
                        draft_model=draft_model,
-                       drafter=get_spec_drafter(config, max_sequence_length))
+                       drafter=get_spec_drafter(config, max_sequence_length),
+                       suffix=suffix_spec(config))
+
+
+def suffix_spec(config: SpeculativeConfig) -> SuffixSpec | None:
+    """SA's static configuration: SAConfig's, or the enhancer's (`sa_config`); None without."""
+    if isinstance(config, SAConfig):
+        return SuffixSpec(ngram=config.max_matching_ngram_size,
+                          pool_size=config.global_pool_size or 0,
+                          global_pool=config.enable_global_pool)
+    enhancer = getattr(config, "sa_config", None)
+    return None if enhancer is None else SuffixSpec(threshold=enhancer.threshold)
 
 
 def with_drafter_fields(config: SpeculativeConfig) -> SpeculativeConfig:
@@ -202,9 +221,9 @@ def check_head_matches_target(hidden_size: int, vocab_size: int, target: ModelCo
 
 def get_spec_worker(config: SpeculativeConfig | None, draft_model=None,
                     target_config: ModelConfig | None = None) -> DraftWorker | None:
-    """The in-step worker for `has_spec_decoder()` modes, else None. `draft_model` is what
+    """The in-step worker for `has_draft_module()` modes, else None. `draft_model` is what
     `load_draft_model` returns; hidden-state drafters also need the target's config."""
-    if config is None or not config.mode.has_spec_decoder():
+    if config is None or not config.mode.has_draft_module():
         return None
     from specjax.speculative import workers
     mode = config.mode

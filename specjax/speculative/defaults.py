@@ -2,13 +2,15 @@
 `--speculative-config` command-line value every CLI (serve, generate, bench) parses alike."""
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
 import os
 from pathlib import Path
 
 from specjax.models.registry import BUNDLED, CHECKPOINTS_DIR
-from specjax.speculative.config import (DFlashConfig, DraftTargetConfig, EagleConfig, MTPConfig,
-                                        NGramConfig, PARDConfig, SpeculativeConfig)
+from specjax.speculative.config import (AutoConfig, DFlashConfig, DraftTargetConfig, EagleConfig,
+                                        MTPConfig, NGramConfig, PARDConfig, SpeculativeConfig)
 from specjax.speculative.modes import MODE_NAMES, SpeculativeDecodingMode
 
 M = SpeculativeDecodingMode
@@ -26,15 +28,19 @@ SHIPPED_FOR_MODE = {M.DRAFT_TARGET_ONE_MODEL: BUNDLED_DRAFT, M.EAGLE3_ONE_MODEL:
 # One example per mode that --speculative-config takes by name (CLI help).
 EXAMPLES = {
     "ngram": '{"mode": "ngram", "max_draft_len": 4, "max_matching_ngram_size": 3}',
+    "sa": '{"mode": "sa", "max_draft_len": 8}',
     "draft_target": '{"mode": "draft_target", "max_draft_len": 4, '
                     '"speculative_model": "bundled-draft"}',
-    "eagle3": '{"mode": "eagle3", "max_draft_len": 4, "speculative_model": "bundled-eagle3"}',
+    "eagle3": '{"mode": "eagle3", "max_draft_len": 4, "speculative_model": "bundled-eagle3", '
+              '"sa_config": {"threshold": 4}}',
     "mtp": '{"mode": "mtp", "max_draft_len": 3, "num_nextn_predict_layers": 3, '
            '"speculative_model": "bundled-mtp"}',
     "pard": '{"mode": "pard", "max_draft_len": 4, "speculative_model": "bundled-pard"}',
     "dflash": '{"mode": "dflash", "max_draft_len": 4, "speculative_model": "bundled-dflash"}',
     "save_hidden_states": '{"mode": "save_hidden_states", "output_directory": "hs"}',
+    "auto": '{"mode": "auto"}',
 }
+log = logging.getLogger("specjax")
 
 
 def is_bundled(model: str | os.PathLike) -> bool:
@@ -62,6 +68,28 @@ def default_speculative_config(model: str | os.PathLike) -> SpeculativeConfig | 
         if draft := shipped(BUNDLED_DRAFT):
             return DraftTargetConfig(max_draft_len=4, speculative_model=draft)
     return None
+
+
+def resolve_auto(config: SpeculativeConfig | None, model: str | os.PathLike | None,
+                 max_batch_size: int) -> SpeculativeConfig | None:
+    """AutoConfig -> the concrete config it stands for (anything else unchanged): the drafter
+    shipped for `model` (None: a model given as an instance, which ships none), else the
+    reference's NGram heuristic -- D = 5 and n-grams up to 3 for max_batch_size <= 4, D = 3
+    and n-grams up to 5 above; speculation off while more than `max_concurrency` requests run.
+    The choice is logged."""
+    if not isinstance(config, AutoConfig):
+        return config
+    chosen = default_speculative_config(model) if model is not None else None
+    if chosen is None:
+        small = max_batch_size <= 4
+        chosen = NGramConfig(max_draft_len=5 if small else 3,
+                             max_matching_ngram_size=3 if small else 5, is_keep_all=True,
+                             is_use_oldest=True, is_public_pool=True)
+    if max_batch_size > config.max_concurrency:
+        chosen = dataclasses.replace(chosen, draft_len_schedule={
+            1: chosen.max_draft_len, config.max_concurrency + 1: 0})
+    log.info("speculative_config AUTO -> %s", chosen)
+    return chosen
 
 
 def shipped_configs(max_draft_len: int) -> list[SpeculativeConfig]:

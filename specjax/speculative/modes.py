@@ -56,8 +56,13 @@ class SpeculativeDecodingMode(enum.IntEnum):
         return self in _ONE_ENGINE
 
     def has_spec_decoder(self) -> bool:
-        """A worker inside the step drafts, verifies and accepts."""
+        """The step itself drafts, verifies and accepts."""
         return self in _ONE_ENGINE
+
+    def has_draft_module(self) -> bool:
+        """A drafter module with parameters rides in the step (an in-step worker); SA drafts
+        from the request's own tokens and has none."""
+        return self in _ONE_ENGINE and self is not SpeculativeDecodingMode.SA
 
     def is_parallel_draft(self) -> bool:
         """The drafter proposes all D tokens in one forward pass (PARD, DFlash, DSPARK) rather

@@ -292,15 +292,20 @@ def test_transformers_loads_the_bundled_checkpoint():
     assert seconds > 0 and [len(t) for t in tokens] == [4, 4]
 
 
-def test_spec_runs_eagle3_trees_beside_the_chain_by_default():
+def test_spec_runs_sa_and_eagle3_with_sa_and_trees_beside_the_chain_by_default():
     configs = spec.default_configs(4)
     labels = [spec.label_of(c) for c in configs]
+    assert labels[:2] == ["ngram D=4", "sa D=8"]
+    assert [spec.drafter_passes(c) for c in configs[:2]] == [0, 0]
     chain = next(i for i, c in enumerate(configs) if c.mode.name == "EAGLE3_ONE_MODEL")
-    assert labels[chain:chain + 3] == [
+    assert labels[chain:chain + 4] == [
         "eagle3_one_model D=4 (bundled-eagle3)",
+        "eagle3_one_model D=4 (bundled-eagle3) + SA (threshold 4)",
         "eagle3_one_model D=4 tree K=2 T=8 (bundled-eagle3)",
         "eagle3_one_model D=4 tree K=4 T=16 (bundled-eagle3)"]
-    assert [c.use_rejection_sampling for c in configs[chain:chain + 3]] == [True, False, False]
+    assert [c.use_rejection_sampling for c in configs[chain:chain + 4]] == [True, True, False,
+                                                                          False]
+    assert spec.drafter_passes(configs[chain + 1]) == 4
     # K * D capped at the 31 nodes a tree mask holds.
     assert max(c.total_draft_tokens for c in spec.default_configs(8)
                if getattr(c, "use_dynamic_tree", False)) == 31

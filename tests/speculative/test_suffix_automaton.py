@@ -30,6 +30,12 @@ def test_hand_worked_vectors():
     # Overlapping occurrences: the earliest "1 1" ends at position 1, followed by the rest.
     assert SuffixAutomaton([1, 1, 1, 1]).lookup(5) == ([1], 3)
     assert SuffixAutomaton([1, 1, 1, 1]).lookup(5, 2) == ([1, 1], 2)
+    # periodic: the occurrence ends 1 (2) before the newest token; its tail repeats.
+    assert SuffixAutomaton([1, 1, 1, 1]).lookup(5, periodic=True) == ([1] * 5, 3)
+    assert SuffixAutomaton([4, 5, 4, 5, 4]).lookup(5, periodic=True) == ([5, 4, 5, 4, 5], 3)
+    assert SuffixAutomaton([1, 2, 3, 4, 5, 1, 2, 3]).lookup(2, 3, periodic=True) == ([4, 5], 3)
+    assert SuffixAutomaton([1, 2, 3, 4, 5, 1, 2, 3]).lookup(7, periodic=True) == (
+        [4, 5, 1, 2, 3, 4, 5], 3)
     # A shorter suffix can have occurred earlier than the longer one.
     sa = SuffixAutomaton([3, 9, 0, 3, 9, 5, 0, 3])
     assert sa.lookup(3) == ([9, 5, 0], 2)              # "0 3" at 2..3, then 9 5 0

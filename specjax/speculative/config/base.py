@@ -8,6 +8,7 @@ import json
 import os
 from typing import Any, ClassVar, Mapping
 
+from specjax.speculative.config.enhancer import SAEnhancerConfig
 from specjax.speculative.modes import SpeculativeDecodingMode
 from specjax.speculative.schedule import validate_draft_len_schedule
 
@@ -47,8 +48,10 @@ class SpeculativeConfig:
         if not 0 <= self.acceptance_rate_threshold <= 1:
             raise ValueError(f"acceptance_rate_threshold must be in [0, 1], got "
                              f"{self.acceptance_rate_threshold!r}")
+        if hasattr(self, "sa_config"):  # the SA enhancer (`config.enhancer.SAEnhanced`)
+            object.__setattr__(self, "sa_config", SAEnhancerConfig.of(self.sa_config))
         if self.use_rejection_sampling is None:
-            object.__setattr__(self, "use_rejection_sampling", self.mode.has_spec_decoder())
+            object.__setattr__(self, "use_rejection_sampling", self.mode.has_draft_module())
         elif not isinstance(self.use_rejection_sampling, bool):
             raise ValueError("use_rejection_sampling must be a bool or None (the mode's default)")
 
@@ -64,6 +67,8 @@ class SpeculativeConfig:
             value = getattr(self, f.name)
             if f.name == "draft_len_schedule" and value is not None:
                 value = {str(k): v for k, v in value}
+            elif isinstance(value, SAEnhancerConfig):
+                value = dataclasses.asdict(value)
             out[f.name] = value
         return out
 

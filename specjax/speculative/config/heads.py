@@ -11,6 +11,7 @@ from specjax.models.eagle3_head import Eagle3Head
 from specjax.models.mtp_head import MTPHeads
 from specjax.speculative.config.base import (SpeculativeConfig, layer_tuple, model_field,
                                              model_field_to_dict, positive_int)
+from specjax.speculative.config.enhancer import SAEnhanced
 from specjax.speculative.modes import SpeculativeDecodingMode
 
 
@@ -107,7 +108,7 @@ class DynamicTreeFields:
 
 
 @dataclasses.dataclass(frozen=True)
-class EagleConfig(SpeculativeConfig, DynamicTreeFields):
+class EagleConfig(SpeculativeConfig, DynamicTreeFields, SAEnhanced):
     """EAGLE-3 in the one-model step: a head fed with target hidden states at three layers.
 
     `speculative_model`: a folder in the public EAGLE-3 layout (see
@@ -153,7 +154,7 @@ class EagleConfig(SpeculativeConfig, DynamicTreeFields):
 
 
 @dataclasses.dataclass(frozen=True)
-class MTPConfig(SpeculativeConfig, DynamicTreeFields):
+class MTPConfig(SpeculativeConfig, DynamicTreeFields, SAEnhanced):
     """Multi-token prediction (DeepSeek-V3 style MTP modules on the target's hidden state).
 
     The mode follows the fields: one module and not `use_mtp_vanilla` -> MTP_EAGLE_ONE_MODEL

@@ -9,6 +9,7 @@ from specjax.models.dflash_head import DFlashHead
 from specjax.models.llama import Llama
 from specjax.speculative.config.base import (SpeculativeConfig, layer_tuple, model_field,
                                              model_field_to_dict)
+from specjax.speculative.config.enhancer import SAEnhanced
 from specjax.speculative.modes import SpeculativeDecodingMode
 
 
@@ -19,7 +20,7 @@ def _mask_field(config) -> None:
 
 
 @dataclasses.dataclass(frozen=True)
-class PARDConfig(SpeculativeConfig):
+class PARDConfig(SpeculativeConfig, SAEnhanced):
     """PARD: a small draft model of the target's tokenizer reads the accepted tokens followed
     by D - 1 mask tokens and gives D drafts from one pass (target-independent: one draft
     model serves every target of the tokenizer).
@@ -47,7 +48,7 @@ class PARDConfig(SpeculativeConfig):
 
 
 @dataclasses.dataclass(frozen=True)
-class DFlashConfig(SpeculativeConfig):
+class DFlashConfig(SpeculativeConfig, SAEnhanced):
     """DFlash (block diffusion): a few decoder layers read the target's residual streams at
     `target_layer_ids` (injected as keys and values into every layer) and fill a block of
     [newest token, mask x D] in one bidirectional pass.

@@ -1,12 +1,14 @@
 """Configs of drafters that read no target hidden states: NGram and user drafters on the host,
-a draft model inside the step."""
+SA (the request's own tokens) and a draft model inside the step."""
 from __future__ import annotations
 
 import dataclasses
 import importlib
 from typing import Any, ClassVar
 
+from specjax.core.suffix import MAX_MATCH
 from specjax.speculative.config.base import SpeculativeConfig, positive_int
+from specjax.speculative.config.enhancer import SAEnhanced
 from specjax.speculative.drafters import Drafter
 from specjax.speculative.modes import SpeculativeDecodingMode
 
@@ -29,7 +31,44 @@ class NGramConfig(SpeculativeConfig):
 
 
 @dataclasses.dataclass(frozen=True)
-class DraftTargetConfig(SpeculativeConfig):
+class SAConfig(SpeculativeConfig):
+    """SA: each request drafts from its own tokens (prompt and accepted), inside the step --
+    the continuation of the earliest earlier occurrence of its longest repeated suffix
+    (`max_matching_ngram_size=-1`; matches are counted up to `specjax.core.suffix.MAX_MATCH`
+    tokens), or of the first of the suffix sizes N..1 that occurred earlier (N > 0). No
+    match: no drafts that step.
+
+    `enable_global_pool`: a request also matches the other requests' tokens and the last
+    `global_pool_size` finished requests' (None: as many as `max_batch_size`; oldest
+    evicted); its own context wins ties. SA's drafts have no distribution, so sampled
+    requests accept by strict matching (`use_rejection_sampling=True` is refused)."""
+
+    max_matching_ngram_size: int = -1
+    enable_global_pool: bool = False
+    global_pool_size: int | None = None
+
+    mode: ClassVar[SpeculativeDecodingMode] = SpeculativeDecodingMode.SA
+
+    def __post_init__(self):
+        if self.use_rejection_sampling:
+            raise ValueError("use_rejection_sampling=True does not apply to SA: its drafts have "
+                             "no draft distribution (sampled requests accept by strict "
+                             "matching, exact); leave it unset")
+        super().__post_init__()
+        n = self.max_matching_ngram_size
+        if isinstance(n, bool) or not isinstance(n, int) or not (n == -1 or 1 <= n <= MAX_MATCH):
+            raise ValueError(f"max_matching_ngram_size must be -1 (the longest suffix) or an int "
+                             f"in [1, {MAX_MATCH}], got {n!r}")
+        if not isinstance(self.enable_global_pool, bool):
+            raise ValueError("enable_global_pool must be a bool")
+        if self.global_pool_size is not None:
+            if not self.enable_global_pool:
+                raise ValueError("global_pool_size is only used with enable_global_pool=True")
+            positive_int("global_pool_size", self.global_pool_size)
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftTargetConfig(SpeculativeConfig, SAEnhanced):
     """A smaller model of the same tokenizer drafts D tokens inside the step."""
 
     speculative_model: Any = None   # a checkpoint folder (str) or a Llama instance

@@ -68,10 +68,15 @@ class SuffixAutomaton:
                 self._link[q] = self._link[cur] = clone
         self._last = cur
 
-    def lookup(self, max_draft_len: int, max_matching_ngram_size: int = -1
-               ) -> tuple[list[int], int]:
+    def lookup(self, max_draft_len: int, max_matching_ngram_size: int = -1,
+               periodic: bool = False) -> tuple[list[int], int]:
         """-> (draft: up to `max_draft_len` tokens after the earliest earlier occurrence of the
-        matched suffix, match length); ([], 0) when no suffix occurred earlier."""
+        matched suffix, match length); ([], 0) when no suffix occurred earlier.
+
+        `periodic` (what the device matcher drafts): an occurrence ending p tokens before the
+        newest one has only p tokens after it; the draft then repeats them to its full
+        length, continuing the sequence with period p (a loop or a repeated row, whose next
+        tokens the reference would leave undrafted)."""
         n = len(self.tokens)
         end = n - 1
         state = self._last
@@ -85,4 +90,7 @@ class SuffixAutomaton:
             while self._len[self._link[state]] >= match:  # the state holding that length
                 state = self._link[state]
         start = self._first[state] + 1
+        if periodic:
+            period = n - start
+            return [self.tokens[start + k % period] for k in range(max(max_draft_len, 0))], match
         return self.tokens[start:start + max(max_draft_len, 0)], match
