@@ -119,14 +119,6 @@ MUTANTS = [
            "sampled = batch.temperature > 0",
            "sampled = batch.temperature >= 0",
            (E2E_GREEDY,)),
-    Mutant("sa_rows_rejection_sampled",
-           "rows verifying the SA enhancer's drafts judged by rejection sampling against the "
-           "neural drafter's distribution",
-           "specjax/core/steps.py",
-           "by_rejection = by_rejection & ~state.slots.strict[batch.slots]",
-           "by_rejection = by_rejection",
-           ("tests/speculative/test_suffix_engine.py::"
-            "test_sa_rows_are_accepted_strictly_under_rejection_sampling",)),
 ]
 
 
