@@ -39,12 +39,14 @@ class LLM:
                  num_kv_blocks: int | None = None, tokens_per_block: int = 16,
                  prefill_chunk: int = 64, max_prefill_rows: int = 2, seed: int | None = None,
                  speculative_config: SpeculativeConfig | None = None,
-                 overlap_scheduler: bool = True, warmup: bool = False, progress: bool = True):
+                 overlap_scheduler: bool = True, enable_prefix_cache: bool = True,
+                 warmup: bool = False, progress: bool = True):
         compile_cache.enable()
         config = EngineConfig(max_batch_size=max_batch_size, max_model_len=max_model_len,
                               tokens_per_block=tokens_per_block, num_kv_blocks=num_kv_blocks,
                               prefill_chunk=prefill_chunk, max_prefill_rows=max_prefill_rows,
-                              overlap_scheduler=overlap_scheduler)
+                              overlap_scheduler=overlap_scheduler,
+                              enable_prefix_cache=enable_prefix_cache)
         if isinstance(model, Llama):
             self.model_path = None
         else:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Mapping
 
 from specjax.validation import check_sampling_fields
 
@@ -23,16 +24,37 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # Log-probabilities of the target model (log-softmax of its logits, before any
+    # temperature, filtering or bias): per generated token the chosen token and the top
+    # `logprobs` (0: the chosen one only); per prompt token likewise with `prompt_logprobs`.
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    # {token id: bias} added to the logits before sampling (OpenAI's logit_bias).
+    logit_bias: Mapping[int, float] | tuple[tuple[int, float], ...] = ()
+    # vLLM's penalties, after the bias (`specjax.core.penalties`): repetition over prompt and
+    # output tokens, frequency and presence over generated ones.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     def __post_init__(self):
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        # Kept as sorted (id, bias) pairs so the parameters stay hashable.
+        bias = self.logit_bias
+        items = bias.items() if isinstance(bias, Mapping) else bias
+        object.__setattr__(self, "logit_bias", tuple(sorted((k, v) for k, v in items)))
         # The same checks (and messages) the engine and the HTTP server apply.
         check_sampling_fields(self)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def penalized(self) -> bool:
+        return (self.presence_penalty != 0 or self.frequency_penalty != 0
+                or self.repetition_penalty != 1)
 

@@ -14,9 +14,12 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from specjax.core.logits import MAX_LOGIT_BIAS, TOP_LOGPROBS
+
 INT32_MAX = 2**31 - 1
 UINT32_MAX = 2**32 - 1
 FLOAT32_TINY = 1.1754943508222875e-38   # the smallest normal float32: below it, 0
+MAX_LOGPROBS = TOP_LOGPROBS   # top log-probabilities per position (OpenAI's top_logprobs limit)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +64,12 @@ BOUNDS: dict[str, Bound] = {
     "min_p": Bound(0, 1, "float32"),
     # uint32 PRNG seeds.
     "seed": Bound(0, UINT32_MAX, "uint32", integer=True),
+    # float32, added to logits (OpenAI's range).
+    "logit_bias": Bound(-100, 100, "float32"),
+    # float32, OpenAI's ranges; a repetition penalty divides or multiplies logits.
+    "presence_penalty": Bound(-2, 2, "float32"),
+    "frequency_penalty": Bound(-2, 2, "float32"),
+    "repetition_penalty": Bound(0.01, 100, "float32"),
 }
 
 
@@ -182,6 +191,29 @@ def check_stop_token_ids(ids: Sequence[Any], vocab_size: int | None = None) -> N
                                                     f"outside the vocabulary [0, {vocab_size})")
 
 
+def check_logprobs(name: str, value: Any) -> None:
+    """How many top log-probabilities per position: the step's outputs are MAX_LOGPROBS wide
+    (only a flag per row reaches the device)."""
+    check_int(name, value, low=0, high=MAX_LOGPROBS)
+
+
+def check_logit_bias(pairs: Sequence[Any], vocab_size: int | None = None) -> None:
+    """(token id, bias) pairs: ids in the vocabulary, each once, biases within bounds."""
+    if len(pairs) > MAX_LOGIT_BIAS:
+        raise InvalidArgument("logit_bias", f"logit_bias may hold at most {MAX_LOGIT_BIAS} "
+                                            f"tokens, got {len(pairs)}")
+    seen = set()
+    for t, bias in pairs:
+        check_int("logit_bias", t, low=0)
+        if vocab_size is not None and t >= vocab_size:
+            raise InvalidArgument("logit_bias", f"logit_bias: token id {t} is outside the "
+                                                f"vocabulary [0, {vocab_size})")
+        if t in seen:
+            raise InvalidArgument("logit_bias", f"logit_bias: token id {t} appears twice")
+        seen.add(t)
+        check_bound("logit_bias", bias)
+
+
 def check_sampling_fields(params: Any) -> None:
     """Every field of a `SamplingParams` (duck-typed, so this module imports nothing of it)."""
     check_max_tokens(params.max_tokens)
@@ -192,6 +224,12 @@ def check_sampling_fields(params: Any) -> None:
     check_seed(params.seed)
     check_stop(params.stop)
     check_stop_token_ids(params.stop_token_ids)
+    for name in ("logprobs", "prompt_logprobs"):
+        if getattr(params, name) is not None:
+            check_logprobs(name, getattr(params, name))
+    check_logit_bias(params.logit_bias)
+    for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
+        check_bound(name, getattr(params, name))
     if not isinstance(params.ignore_eos, bool):
         raise InvalidArgument("ignore_eos", f"ignore_eos must be a bool, "
                                             f"got {shown(params.ignore_eos)}")
@@ -223,6 +261,7 @@ def check_request(prompt_ids: Sequence[Any], params: Any, params_type: type,
                                                  f"{type(params).__name__}")
     check_sampling_fields(params)
     check_stop_token_ids(params.stop_token_ids, vocab_size)
+    check_logit_bias(params.logit_bias, vocab_size)
     check_prompt(prompt_ids, vocab_size, max_len)
 
 

@@ -87,7 +87,9 @@ def test_request_checks_params_again(tiny_llm):
 
 
 _BATCH_FIELD = {"max_tokens": "max_lens", "temperature": "temperature", "top_k": "top_k",
-                "top_p": "top_p", "min_p": "min_p", "seed": "seeds"}
+                "top_p": "top_p", "min_p": "min_p", "seed": "seeds", "logit_bias": "bias_values",
+                "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
+                "repetition_penalty": "repetition_penalty"}
 
 
 def test_every_bound_names_a_batch_field():
@@ -102,16 +104,17 @@ def test_each_bound_fits_its_device_dtype(name):
     b, field = BOUNDS[name], _BATCH_FIELD[name]
     batch = empty_batch(1, 2, 1, spare_slot=0)
     array = getattr(batch, field)
+    cell = (0,) * array.ndim     # the first row's (first) entry
     assert array.dtype == np.dtype(b.dtype)
     for value in (b.low, b.high):
-        array[0] = value
+        array[cell] = value
         if b.integer:
-            assert int(array[0]) == value
+            assert int(array[cell]) == value
         else:
-            assert np.isfinite(array[0]) and (array[0] > 0) == (value > 0)
+            assert np.isfinite(array[cell]) and (array[cell] > 0) == (value > 0)
     if b.integer:
         with pytest.raises(OverflowError):
-            array[0] = b.high + 1
+            array[cell] = b.high + 1
         with pytest.raises(InvalidArgument):
             check_bound(name, b.high + 1)
 

@@ -1,9 +1,9 @@
-"""`python -m specjax.bench decode|spec|sampling|cpu ...`: benchmarks that print their figures,
+"""`python -m specjax.bench decode|spec|sampling|serving|cpu ...`: benchmarks that print their figures,
 each table followed by a legend of its columns. `python -m specjax.bench COMMAND --help` says
 what one measures and its options."""
 import argparse
 
-from specjax.bench import cpu, decode, sampling, spec
+from specjax.bench import cpu, decode, sampling, serving, spec
 from specjax.cli import HelpFormatter
 
 EPILOG = """\
@@ -27,7 +27,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-MODULES = {"decode": decode, "spec": spec, "sampling": sampling, "cpu": cpu}
+MODULES = {"decode": decode, "spec": spec, "sampling": sampling, "serving": serving,
+           "cpu": cpu}
 
 
 def main(argv=None) -> int:

@@ -15,6 +15,7 @@ import numpy as np
 from flax import struct
 
 from specjax.core.kv import NULL_BLOCK
+from specjax.core.logits import MAX_LOGIT_BIAS, Logprobs
 
 
 @struct.dataclass
@@ -34,6 +35,15 @@ class StepBatch:
     # [B] int32: the prompt token after a prompt-chunk run (-1: the run ends the prompt). Only
     # hidden-state drafters read it (their row t pairs hidden state t with token t+1).
     next_tokens: jax.Array | None = None
+    # (`specjax.core.logits`; None: the step has no such input)
+    bias_ids: jax.Array | None = None         # [B, MAX_LOGIT_BIAS] int32 (-1: no entry)
+    bias_values: jax.Array | None = None      # [B, MAX_LOGIT_BIAS] float32
+    logprobs: jax.Array | None = None         # [B] bool: log-probabilities of emitted tokens
+    prompt_logprobs: jax.Array | None = None  # [B] bool: ... of prompt tokens (prefill)
+    # [B] float32 (`specjax.core.penalties`; 1, 0, 0: off)
+    repetition_penalty: jax.Array | None = None
+    frequency_penalty: jax.Array | None = None
+    presence_penalty: jax.Array | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -45,6 +55,10 @@ class PrefillOutput:
     tokens: jax.Array        # [B] int32: the token sampled after each row's run
     # [C, B, T, H]: residual streams after the saved layers (SAVE_HIDDEN_STATES only)
     hidden_states: jax.Array | None = None
+    logprobs: Logprobs | None = None         # [B]: of `tokens`
+    # [B, T]: of the token after each row of the run (the next prompt token; at the run's
+    # last row, the next prompt token or `tokens`)
+    prompt_logprobs: Logprobs | None = None
 
 
 @struct.dataclass
@@ -55,6 +69,7 @@ class GenerationOutput:
     draft_lens: jax.Array          # [B]: real drafts verified (before padding)
     # [C, B, D+1, H]: residual streams after the saved layers (SAVE_HIDDEN_STATES only)
     hidden_states: jax.Array | None = None
+    logprobs: Logprobs | None = None         # [B, D+1]: of new_tokens
 
 
 def empty_batch(rows: int, width: int, blocks_per_seq: int, spare_slot: int) -> StepBatch:
@@ -72,20 +87,33 @@ def empty_batch(rows: int, width: int, blocks_per_seq: int, spare_slot: int) -> 
         slots=np.full(rows, spare_slot, np.int32),
         max_lens=np.zeros(rows, np.int32),
         next_tokens=np.full(rows, -1, np.int32),
+        bias_ids=np.full((rows, MAX_LOGIT_BIAS), -1, np.int32),
+        bias_values=np.zeros((rows, MAX_LOGIT_BIAS), np.float32),
+        logprobs=np.zeros(rows, bool),
+        prompt_logprobs=np.zeros(rows, bool),
+        repetition_penalty=np.ones(rows, np.float32),
+        frequency_penalty=np.zeros(rows, np.float32),
+        presence_penalty=np.zeros(rows, np.float32),
     )
 
 
 def set_row(batch: StepBatch, row: int, *, run: Sequence[int], start_pos: int,
             blocks: Sequence[int], slot: int, max_len: int, seed: int = 0,
             temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
-            next_token: int = -1) -> None:
+            next_token: int = -1, logit_bias: Sequence[tuple[int, float]] = (),
+            logprobs: bool = False, prompt_logprobs: bool = False,
+            repetition_penalty: float = 1.0, frequency_penalty: float = 0.0,
+            presence_penalty: float = 0.0) -> None:
     """Make `row` of an `empty_batch` real: `run` (its tokens) starts at `start_pos`, the
     request's K/V live in `blocks` and its device-side state in `slot`; generation steps
     verify no drafts past `max_len` tokens. Generation steps that read runs from slot state
     (`specjax.core.runs_on_device`) take the run, its start and its length from the device:
     then `run` only needs to be non-empty. `next_token`: the prompt token after a prompt-chunk
     run (-1: the run ends the prompt; hidden-state drafters pair it with the run's last row).
-    `spare_slot` of `empty_batch` must be the state's spare (`state.slots.spare`)."""
+    `spare_slot` of `empty_batch` must be the state's spare (`state.slots.spare`).
+    `logit_bias`: (token id, bias) pairs added to the row's logits; `logprobs` /
+    `prompt_logprobs`: whether the step computes log-probabilities for the row; the
+    penalties as in `specjax.core.penalties`."""
     batch.tokens[row, :len(run)] = run
     batch.start_pos[row] = start_pos
     batch.query_lens[row] = len(run)
@@ -98,6 +126,17 @@ def set_row(batch: StepBatch, row: int, *, run: Sequence[int], start_pos: int,
     batch.slots[row] = slot
     batch.max_lens[row] = max_len
     batch.next_tokens[row] = next_token
+    batch.bias_ids[row] = -1
+    batch.bias_values[row] = 0
+    if logit_bias:
+        ids, values = zip(*logit_bias)
+        batch.bias_ids[row, :len(ids)] = ids
+        batch.bias_values[row, :len(ids)] = values
+    batch.logprobs[row] = logprobs
+    batch.prompt_logprobs[row] = prompt_logprobs
+    batch.repetition_penalty[row] = repetition_penalty
+    batch.frequency_penalty[row] = frequency_penalty
+    batch.presence_penalty[row] = presence_penalty
 
 
 def clear_row(batch: StepBatch, row: int, spare_slot: int) -> None:

@@ -12,6 +12,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from specjax.core.logits import apply_bias
+
 
 def filter_logits(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
                   top_p: jax.Array, min_p: jax.Array) -> jax.Array:
@@ -71,8 +73,9 @@ def draft_tokens_and_probs(logits: jax.Array, batch, positions: jax.Array,
     Without probs every row drafts the argmax (the best guess for strict matching). With them,
     sampled rows draw from the draft model's distribution filtered by the request's own
     parameters -- the same function the target side uses -- as rejection sampling requires;
-    greedy rows still take the argmax.
+    greedy rows still take the argmax. The request's logit bias applies as on the target side.
     """
+    logits = apply_bias(logits, batch.bias_ids, batch.bias_values)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     if not with_probs:
         return greedy, None

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from specjax.core.kv import KVPool, make_kv_pool
+from specjax.core.penalties import PenaltyState, make_penalty_state
 from specjax.core.suffix import SuffixSpec, SuffixState, make_suffix_state
 from specjax.core.worker import DraftWorker, tree_of
 from specjax.models.config import ModelConfig
@@ -103,6 +104,7 @@ class EngineState:
     slots: SlotState         # per-slot newest token, drafts and their distributions
     draft: KVPool | None = None  # the in-step drafter's pool (same block tables), or None
     suffix: SuffixState | None = None  # SA's per-slot token history, or None
+    penalties: PenaltyState | None = None  # per-slot token counts for the penalties
 
 
 def split_model(target: Llama, draft: nnx.Module | None = None
@@ -138,4 +140,5 @@ def init_state(config: ModelConfig, *, num_slots: int, num_blocks: int, tokens_p
                               tree, strict=keep_probs and suffix is not None),
         draft=None if worker is None else worker.make_kv(num_blocks, tokens_per_block,
                                                          config.dtype),
-        suffix=None if suffix is None else make_suffix_state(suffix, num_slots, history_len))
+        suffix=None if suffix is None else make_suffix_state(suffix, num_slots, history_len),
+        penalties=make_penalty_state(num_slots, config.vocab_size))

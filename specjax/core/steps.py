@@ -30,6 +30,8 @@ from flax import nnx
 from specjax.core.accept import rejection_accept, strict_accept, target_tokens
 from specjax.core.batch import GenerationOutput, PrefillOutput, StepBatch
 from specjax.core.forward import last_rows, paged_forward
+from specjax.core.logits import apply_bias, maybe_logprobs
+from specjax.core.penalties import chain_context, penalize, record_generated, tree_context
 from specjax.core.sampling import sample, sampling_keys
 from specjax.core.state import EngineState, Params, SlotState, write_slots
 from specjax.core.suffix import SuffixSpec, SuffixState, prefer, propose, record, retire
@@ -92,13 +94,26 @@ def make_prefill_step(graphdef: nnx.GraphDef, worker: DraftWorker | None = None,
                 ) -> tuple[EngineState, PrefillOutput]:
         model = nnx.merge(graphdef, params.target)
         kv_target, hidden, captured = paged_forward(model, state.target, batch, capture)
-        logits = model.logits(last_rows(hidden, batch.query_lens))
+        raw = model.logits(last_rows(hidden, batch.query_lens))
+        logits = penalize(apply_bias(raw, batch.bias_ids, batch.bias_values)[:, None],
+                          state.penalties, batch)[:, 0]
         keys = sampling_keys(batch.seeds, batch.start_pos + batch.query_lens)
         tokens = sample(logits, batch.temperature, batch.top_k, batch.top_p, batch.min_p, keys)
         run, num_drafts, kv_draft = tokens[:, None], jnp.zeros_like(tokens), state.draft
         # The token after each run: the next prompt token, or the one just sampled.
         ends = batch.next_tokens < 0
         following = jnp.where(ends, tokens, batch.next_tokens)
+        penalties = state.penalties
+        if penalties is not None:  # a prompt's last chunk generates its first token
+            penalties = record_generated(penalties, batch.slots, tokens[:, None],
+                                         (ends & (batch.query_lens > 0)).astype(jnp.int32))
+        logprobs = maybe_logprobs(batch.logprobs, lambda: raw, tokens)
+        C = batch.tokens.shape[1]
+        after = jnp.concatenate([batch.tokens[:, 1:], following[:, None]], axis=1)
+        after = jnp.where(jnp.arange(C) == batch.query_lens[:, None] - 1, following[:, None],
+                          after)
+        prompt_logprobs = maybe_logprobs(batch.prompt_logprobs, lambda: model.logits(hidden),
+                                         after)
         tree = tree_of(worker)
         depth = tree.max_depth if tree else state.slots.run.shape[1] - 1
         drafts = probs = parents = from_sa = None
@@ -123,8 +138,10 @@ def make_prefill_step(graphdef: nnx.GraphDef, worker: DraftWorker | None = None,
             num_drafts = jnp.where(ends & (batch.query_lens > 0), num, 0)
         slots = write_slots(state.slots, batch.slots, run, batch.start_pos + batch.query_lens,
                             num_drafts, probs, parents, from_sa)
-        return (EngineState(target=kv_target, slots=slots, draft=kv_draft, suffix=history),
-                PrefillOutput(tokens=tokens, hidden_states=captured if save_layers else None))
+        return (EngineState(target=kv_target, slots=slots, draft=kv_draft, suffix=history,
+                            penalties=penalties),
+                PrefillOutput(tokens=tokens, hidden_states=captured if save_layers else None,
+                              logprobs=logprobs, prompt_logprobs=prompt_logprobs))
 
     return jax.jit(prefill, donate_argnums=(1,))
 
@@ -149,7 +166,9 @@ def make_generation_step(graphdef: nnx.GraphDef, worker: DraftWorker | None = No
         batch = clip_to_room(batch)
         model = nnx.merge(graphdef, params.target)
         kv_target, hidden, captured = paged_forward(model, state.target, batch, capture)
-        logits = model.logits(hidden)
+        raw = model.logits(hidden)
+        logits = penalize(apply_bias(raw, batch.bias_ids, batch.bias_values), state.penalties,
+                          batch, batch.tokens, chain_context(D + 1))
         # Decided by shapes: without draft distributions acceptance fails closed to strict.
         draft_probs = state.slots.draft_probs
         rejection = draft_probs is not None and D > 0
@@ -168,6 +187,10 @@ def make_generation_step(graphdef: nnx.GraphDef, worker: DraftWorker | None = No
             new_tokens, lens = rejection_accept(
                 logits, batch.replace(temperature=jnp.where(by_rejection, batch.temperature, 0.0)),
                 drafts_in, draft_lens, draft_probs[batch.slots, :D], new_tokens, lens)
+        logprobs = maybe_logprobs(batch.logprobs, lambda: raw, new_tokens)
+        penalties = state.penalties
+        if penalties is not None:
+            penalties = record_generated(penalties, batch.slots, new_tokens, lens)
         B = batch.tokens.shape[0]
         drafts, probs, kv_draft = jnp.zeros((B, 0), jnp.int32), None, state.draft
         if worker is not None:
@@ -183,9 +206,10 @@ def make_generation_step(graphdef: nnx.GraphDef, worker: DraftWorker | None = No
         newest = jnp.take_along_axis(new_tokens, (lens - 1)[:, None], axis=1)
         slots = write_slots(state.slots, batch.slots, jnp.concatenate([newest, drafts], axis=1),
                             batch.start_pos + lens, num, probs, strict=from_sa)
-        return (EngineState(target=kv_target, slots=slots, draft=kv_draft, suffix=history),
+        return (EngineState(target=kv_target, slots=slots, draft=kv_draft, suffix=history,
+                            penalties=penalties),
                 GenerationOutput(new_tokens, lens, drafts, draft_lens,
-                                 captured if save_layers else None))
+                                 captured if save_layers else None, logprobs))
 
     return jax.jit(generation, donate_argnums=(1,))
 
@@ -209,9 +233,16 @@ def tree_generation(graphdef: nnx.GraphDef, worker: DraftWorker, suffix: SuffixS
     kv_target, hidden, captured = paged_forward(model, state.target, batch,
                                                 worker.capture_layers, layout)
     positions = batch.start_pos[:, None] + layout.depths
-    targets = target_tokens(model.logits(hidden), positions, batch.temperature, batch.top_k,
-                            batch.top_p, batch.min_p, batch.seeds)
+    raw = model.logits(hidden)
+    logits = penalize(apply_bias(raw, batch.bias_ids, batch.bias_values), state.penalties,
+                      batch, batch.tokens, tree_context(layout.ancestors))
+    targets = target_tokens(logits, positions, batch.temperature, batch.top_k, batch.top_p,
+                            batch.min_p, batch.seeds)
     new_tokens, lens, path = tree_accept(batch.tokens, parents, layout, targets, depth)
+    # Each emitted token's row is its node's: the path's rows.
+    logprobs = maybe_logprobs(batch.logprobs,
+                              lambda: jnp.take_along_axis(raw, path[:, :, None], axis=1),
+                              new_tokens)
     real = batch.query_lens > 0
     kv_target = relocate_path(kv_target, batch.start_pos, batch.block_tables, path,
                               jnp.where(real, lens - 1, 0))
@@ -221,6 +252,9 @@ def tree_generation(graphdef: nnx.GraphDef, worker: DraftWorker, suffix: SuffixS
                                                   captured, new_tokens, lens, depth)
     B = batch.tokens.shape[0]
     num = jnp.full((B,), drafts.shape[1], jnp.int32)
+    penalties = state.penalties
+    if penalties is not None:
+        penalties = record_generated(penalties, batch.slots, new_tokens, lens)
     history = state.suffix
     if suffix is not None:
         history = record(history, batch.slots, batch.start_pos + 1, new_tokens, lens)
@@ -232,5 +266,7 @@ def tree_generation(graphdef: nnx.GraphDef, worker: DraftWorker, suffix: SuffixS
     slots = write_slots(state.slots, batch.slots, jnp.concatenate([newest, drafts], axis=1),
                         batch.start_pos + lens, num, tree_parents=tree_parents)
     deepest = jnp.max(jnp.where(layout.valid, layout.depths, 0), axis=1)
-    return (EngineState(target=kv_target, slots=slots, draft=kv_draft, suffix=history),
-            GenerationOutput(new_tokens, lens, drafts, jnp.where(real, deepest, 0)))
+    return (EngineState(target=kv_target, slots=slots, draft=kv_draft, suffix=history,
+                        penalties=penalties),
+            GenerationOutput(new_tokens, lens, drafts, jnp.where(real, deepest, 0),
+                             logprobs=logprobs))

@@ -30,6 +30,7 @@ and with the global pool O(B * (S + 1 + P) * H * span) -- off by default.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -112,6 +113,15 @@ def retire(state: SuffixState, rows: jax.Array, fresh: jax.Array) -> SuffixState
         pool=state.pool.at[entry].set(state.history[rows], mode="drop"),
         pool_length=state.pool_length.at[entry].set(state.length[rows], mode="drop"),
         pool_next=(state.pool_next + keep.sum()) % P)
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def start_history(state: SuffixState, rows: jax.Array, tokens: jax.Array, count: jax.Array
+                  ) -> SuffixState:
+    """Start requests in slots `rows` `[B]` whose first `count` `[B]` tokens (`tokens`
+    `[B, H]`) never pass through a prompt chunk -- their K/V came from the prefix cache: the
+    slots' old histories go to the pool, the tokens become the new ones."""
+    return record(retire(state, rows, count > 0), rows, jnp.zeros_like(count), tokens, count)
 
 
 @struct.dataclass

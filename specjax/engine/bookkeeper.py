@@ -23,9 +23,13 @@ import numpy as np
 from specjax.core.batch import GenerationOutput
 from specjax.engine.allocator import BlockAllocator
 from specjax.engine.hidden_states import HiddenStateRecorder
+from specjax.engine.output import logprob_entries
 from specjax.engine.request import Request, Status
 from specjax.engine.stats import EngineStats
 from specjax.speculative.schedule import SpeculationGate
+
+
+Advance = tuple[Request, list[int], "list[dict[int, float]] | None"]
 
 
 @dataclasses.dataclass
@@ -60,10 +64,11 @@ class Bookkeeper:
         self.gate = gate
         self.recorder = recorder
 
-    def apply(self, step: DispatchedStep) -> tuple[list[tuple[Request, list[int]]], bool,
+    def apply(self, step: DispatchedStep) -> tuple[list[Advance], bool,
                                                    list[tuple[Request, Exception]]]:
-        """Settle each row of `step` -> ([(request, its new tokens)], whether the gate
-        turned speculation off just now, [(request, error)] for rows whose settling raised).
+        """Settle each row of `step` -> ([(request, its new tokens, their logprob entries or
+        None)], whether the gate turned speculation off just now, [(request, error)] for rows
+        whose settling raised).
         Rows whose request finished or was cancelled while the step was in flight are
         skipped: their blocks are already back."""
         out = step.out
@@ -99,7 +104,14 @@ class Bookkeeper:
                 with_drafts += 1
                 accepted_sum += num_accepted
                 drafted_sum += num_drafts_verified
-            advanced.append((request, [int(t) for t in new_tokens[i, :num_accepted + 1]]))
+            tokens = [int(t) for t in new_tokens[i, :num_accepted + 1]]
+            try:
+                logprobs = (None if request.logprobs is None else
+                            logprob_entries(out.logprobs, i, tokens, request.params.logprobs))
+            except Exception as e:
+                failed.append((request, e))
+                continue
+            advanced.append((request, tokens, logprobs))
         self.stats.record_step(with_drafts, accepted_sum, drafted_sum)
         tripped = False
         if self.gate is not None and drafted_sum > 0:

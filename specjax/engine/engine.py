@@ -25,13 +25,16 @@ from typing import Sequence
 
 import numpy as np
 
+from specjax.core.penalties import start_penalties
 from specjax.core.state import init_state, split_model
 from specjax.core.steps import runs_on_device
+from specjax.core.suffix import start_history
 from specjax.engine.allocator import BlockAllocator
 from specjax.engine.bookkeeper import Bookkeeper, DispatchedStep, GenerationRow
 from specjax.engine.executor import Executor, bucket
 from specjax.engine.hidden_states import HiddenStateRecorder
-from specjax.engine.output import OutputProcessor
+from specjax.engine.output import OutputProcessor, logprob_entries
+from specjax.engine.prefix_cache import PrefixCachePolicy, pool_lookahead, rewrites_committed
 from specjax.engine.request import Request, RequestOutput, Status
 from specjax.engine.scheduler import Scheduler, kv_reserve
 from specjax.engine.stats import EngineStats
@@ -58,6 +61,9 @@ class EngineConfig:
     max_prefill_rows: int = 2           # per-step prompt token budget = chunk x rows
     # Dispatch step N+1 before reading step N, in modes whose next inputs stay on device.
     overlap_scheduler: bool = True
+    # Share full KV blocks of committed tokens between requests with a common prefix
+    # (`specjax.engine.prefix_cache`).
+    enable_prefix_cache: bool = True
 
     def __post_init__(self):
         for name in ("max_batch_size", "tokens_per_block", "prefill_chunk", "max_prefill_rows"):
@@ -84,6 +90,8 @@ class EngineSnapshot:
     num_generated_tokens: int = 0
     num_preemptions: int = 0
     num_failed_requests: int = 0
+    prefix_cache_hit_rate: float | None = None
+    prefix_cache_blocks: int = 0
     acceptance_length: float | None = None
     acceptance_rate: float | None = None
     acceptance_per_position: tuple[float, ...] = ()
@@ -117,10 +125,15 @@ class Engine:
         if (num_blocks - 1) < blocks_per_seq:
             raise ValueError(f"num_kv_blocks {num_blocks} cannot hold one request of "
                              f"max_model_len {self.max_len} ({blocks_per_seq} blocks + null)")
-        self.allocator = BlockAllocator(num_blocks, bs)
+        self.allocator = BlockAllocator(num_blocks, bs, pool_lookahead(spec.worker))
+        self.prefix_cache = (PrefixCachePolicy(self.allocator, self.stats,
+                                               prefill_only=not rewrites_committed(spec.worker),
+                                               recording=self.recorder is not None)
+                             if config.enable_prefix_cache else None)
         self.scheduler = Scheduler(self.allocator, config.max_batch_size, config.prefill_chunk,
                                    config.max_prefill_rows, D, spec.drafts_in_step,
-                                   on_preempt=self._on_preempt, verify_len=spec.verify_len)
+                                   on_preempt=self._on_preempt, verify_len=spec.verify_len,
+                                   prefix_cache=self.prefix_cache)
         graphdef, params = split_model(model, spec.draft_model)
         make_state = lambda: init_state(mc, num_slots=config.max_batch_size,
                                         num_blocks=num_blocks, tokens_per_block=bs,
@@ -170,6 +183,8 @@ class Engine:
             kv_blocks_total=self.allocator.total_blocks, num_steps=self.num_steps,
             num_generated_tokens=stats.num_generated_tokens,
             num_preemptions=stats.num_preemptions, num_failed_requests=stats.num_failed_requests,
+            prefix_cache_hit_rate=stats.prefix_cache_hit_rate,
+            prefix_cache_blocks=self.allocator.num_cached_blocks,
             acceptance_length=stats.acceptance_length, acceptance_rate=stats.acceptance_rate,
             acceptance_per_position=tuple(stats.acceptance_per_position),
             draft_overhead=stats.draft_overhead)
@@ -201,6 +216,9 @@ class Engine:
     def warmup(self, progress: bool = True) -> None:
         """Compile every step shape serving can use, so serving itself never compiles."""
         self.executor.warmup(self.generation_shapes(), progress)
+        if self.speculation.suffix is not None:
+            self._start_history(self.executor.spare_slot, [])
+        self._start_penalties(self.executor.spare_slot, [], 0)
 
     # -- requests ----------------------------------------------------------------------------
 
@@ -243,7 +261,7 @@ class Engine:
         """
         start = time.perf_counter()
         self._advanced = {}
-        self.scheduler.admit()
+        self._start_slots(self.scheduler.admit())
         prefill = self.scheduler.schedule_prefill()
         rows, draft_len = self._schedule_generation()
         # Making room for generation rows may have preempted a request scheduled for a prompt
@@ -279,6 +297,33 @@ class Engine:
             self._apply_generation(dispatched)
         if prefill:
             self._apply_prefill(prefill, prefill_out)
+
+    def _start_slots(self, admitted: list[Request]) -> None:
+        """Slot state built from a request's tokens that the steps do not rebuild: SA's token
+        history (prompt chunks record it, but tokens whose K/V came from the prefix cache pass
+        through no chunk) and a penalised request's token counts. One row per call: one
+        compile each, done at warm-up."""
+        for r in admitted:
+            if self.speculation.suffix is not None and r.num_computed:
+                self._start_history(r.slot, r.tokens(0, r.num_computed))
+            if r.params.penalized:
+                self._start_penalties(r.slot, r.all_ids, len(r.prompt_ids))
+
+    def _start_penalties(self, slot: int, tokens: list[int], prompt_len: int) -> None:
+        state = self.executor.state
+        padded = np.zeros((1, self.max_len), np.int32)
+        padded[0, :len(tokens)] = tokens
+        self.executor.state = state.replace(penalties=start_penalties(
+            state.penalties, np.asarray([slot], np.int32), padded,
+            np.asarray([prompt_len], np.int32), np.asarray([len(tokens)], np.int32)))
+
+    def _start_history(self, slot: int, tokens: list[int]) -> None:
+        state = self.executor.state
+        padded = np.zeros((1, state.suffix.history.shape[1]), np.int32)
+        padded[0, :len(tokens)] = tokens
+        self.executor.state = state.replace(suffix=start_history(
+            state.suffix, np.asarray([slot], np.int32), padded,
+            np.asarray([len(tokens)], np.int32)))
 
     def _schedule_generation(self) -> tuple[list[GenerationRow], int]:
         """Rows whose newest token is pending, with their reservations, and the step's runtime
@@ -332,8 +377,8 @@ class Engine:
     def _apply_generation(self, step: DispatchedStep) -> None:
         advanced, gate_tripped, failed = self.bookkeeper.apply(step)
         self._fail_all(failed, "settling its generation step")
-        for request, tokens in advanced:
-            self._emit(request, tokens)
+        for request, tokens, logprobs in advanced:
+            self._emit(request, tokens, logprobs)
         if gate_tripped:
             for request in self.running:
                 request.draft_tokens = []
@@ -347,16 +392,40 @@ class Engine:
             try:
                 if hidden is not None:
                     self.recorder.record(request, request.num_computed, hidden[:, i, :n])
+                if request.wants_prompt_logprobs:
+                    self._record_prompt_logprobs(request, out.prompt_logprobs, i, n)
                 request.num_computed += n
+                if self.prefix_cache is not None:
+                    self.prefix_cache.publish(request)
                 if request.num_computed == request.num_tokens:
                     request.prefilled = True
-                    self._emit(request, [int(tokens[i])])
+                    token = int(tokens[i])
+                    self._emit(request, [token], None if request.logprobs is None else
+                               logprob_entries(out.logprobs, i, [token],
+                                               request.params.logprobs))
             except Exception as e:
                 self._fail(request, "settling its prompt chunk", e)
 
-    def _emit(self, request: Request, tokens: list[int]) -> None:
+    @staticmethod
+    def _record_prompt_logprobs(request: Request, out, row: int, n: int) -> None:
+        """Row j of a chunk starting at s gives the logprobs of token s + j + 1: keep those of
+        prompt tokens not yet recorded."""
+        start, P = request.num_computed, len(request.prompt_ids)
+        first = len(request.prompt_logprobs)          # the next prompt token without them
+        last = min(start + n, P - 1)                  # the last prompt token this chunk gives
+        if first > last or first < start + 1:
+            return
+        tokens = request.prompt_ids[first:last + 1]
+        entries = logprob_entries(out, row, tokens, request.params.prompt_logprobs,
+                                  start=first - start - 1)
+        request.prompt_logprobs.extend(entries)
+
+    def _emit(self, request: Request, tokens: list[int],
+              logprobs: list[dict[int, float]] | None = None) -> None:
         try:
-            reason = self.outputs.append(request, tokens)
+            reason = self.outputs.append(request, tokens, logprobs)
+            if self.prefix_cache is not None:
+                self.prefix_cache.publish(request)
         except Exception as e:
             self._fail(request, "processing its output", e)
             return
@@ -389,6 +458,7 @@ class Engine:
         log.error("a device step failed; failing %d running request(s)", len(self.running),
                   exc_info=error)
         self.executor.reset()
+        self.allocator.clear_cache()  # the blocks' contents went with the old state
         message = f"the device step failed: {type(error).__name__}: {error}"[:500]
         for request in list(self.running):
             request.error = message
@@ -404,6 +474,8 @@ class Engine:
         self._advanced[request.request_id] = request
         request.stats.finish_time = time.perf_counter()
         hooks = [self.outputs.finish]
+        if self.prefix_cache is not None:
+            hooks.append(self.prefix_cache.forget)
         if self.speculation.drafter is not None:
             hooks.append(lambda r: self.speculation.drafter.on_request_finished(r.request_id))
         if self.recorder is not None:

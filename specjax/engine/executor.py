@@ -108,7 +108,12 @@ class Executor:
                 set_row(batch, i, run=run, start_pos=request.num_computed,
                         blocks=self.allocator.blocks(request.request_id), slot=request.slot,
                         max_len=request.max_len, seed=request.seed, temperature=p.temperature,
-                        top_k=p.top_k, top_p=p.top_p, min_p=p.min_p, next_token=next_token)
+                        top_k=p.top_k, top_p=p.top_p, min_p=p.min_p, next_token=next_token,
+                        logit_bias=p.logit_bias, logprobs=p.logprobs is not None,
+                        prompt_logprobs=request.wants_prompt_logprobs,
+                        repetition_penalty=p.repetition_penalty,
+                        frequency_penalty=p.frequency_penalty,
+                        presence_penalty=p.presence_penalty)
             except Exception as e:
                 clear_row(batch, i, self.spare_slot)
                 failed.append((request, e))

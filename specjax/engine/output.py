@@ -12,6 +12,7 @@ import dataclasses
 import time
 from typing import Sequence
 
+import numpy as np
 from tokenizers.decoders import DecodeStream
 
 from specjax.engine.request import Request
@@ -30,6 +31,22 @@ class _StopScan:
     cut: bool = False    # a stop string was found: `request.text` ends before it
 
 
+def logprob_entries(logprobs, row: int, tokens: Sequence[int], k: int, start: int = 0
+                    ) -> list[dict[int, float]]:
+    """{token id: logprob} for `tokens`, at positions start, start + 1, ... of `row` of a
+    step's `Logprobs` (`[B]` outputs have the one position 0): the top k, most probable
+    first, then the token itself if it is not among them."""
+    chosen = np.asarray(logprobs.chosen)[row].reshape(-1)
+    top_ids = np.asarray(logprobs.top_ids)[row].reshape(chosen.size, -1)
+    top = np.asarray(logprobs.top)[row].reshape(chosen.size, -1)
+    entries = []
+    for j, token in enumerate(tokens, start):
+        entry = {int(t): float(v) for t, v in zip(top_ids[j, :k], top[j, :k]) if t >= 0}
+        entry.setdefault(int(token), float(chosen[j]))
+        entries.append(entry)
+    return entries
+
+
 class OutputProcessor:
     def __init__(self, eos_token_ids: Sequence[int], tokenizer: Tokenizer | None,
                  stats: EngineStats):
@@ -38,16 +55,20 @@ class OutputProcessor:
         self.stats = stats
         self._scans: dict[int, _StopScan] = {}
 
-    def append(self, request: Request, tokens: Sequence[int]) -> str | None:
-        """Append a step's tokens; returns the finish reason ("stop", "length") if one of
-        them ends the request, else None. A stop string cuts `request.text` before it."""
+    def append(self, request: Request, tokens: Sequence[int],
+               logprobs: Sequence[dict[int, float]] | None = None) -> str | None:
+        """Append a step's tokens (and, where the request asked for them, their
+        `logprobs` entries); returns the finish reason ("stop", "length") if one of them ends
+        the request, else None. A stop string cuts `request.text` before it."""
         stats = request.stats
         stats.decoding_iterations += 1
         if stats.first_token_time is None:
             stats.first_token_time = time.perf_counter()
         p = request.params
-        for token in tokens:
+        for i, token in enumerate(tokens):
             request.output_ids.append(token)
+            if request.logprobs is not None:
+                request.logprobs.append(logprobs[i])
             stats.num_generated_tokens += 1
             self.stats.num_generated_tokens += 1
             if (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids:

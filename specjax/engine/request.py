@@ -27,6 +27,7 @@ class RequestStats:
     num_steps_with_drafts: int = 0 # decoding iterations that verified at least one draft
     num_accepted_draft_tokens: int = 0
     num_generated_tokens: int = 0
+    num_cached_tokens: int = 0     # prompt tokens whose K/V came from the prefix cache
 
     @property
     def time_to_first_token(self) -> float | None:
@@ -89,6 +90,12 @@ class RequestOutput:
     finish_reason: str | None      # "stop", "length", "abort", "error"; None while running
     stats: RequestStats
     error: str | None = None       # with "error": what failed (this request alone)
+    # With SamplingParams.logprobs: per generated token {token id: logprob}, the top k in
+    # descending order, then the chosen token if it is not among them.
+    logprobs: list[dict[int, float]] | None = None
+    # With SamplingParams.prompt_logprobs: the same per prompt token (None for the first,
+    # which has no context).
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -115,9 +122,17 @@ class Request:
     text: str = ""
     error: str | None = None      # why the engine failed this request (finish_reason "error")
     stats: RequestStats = dataclasses.field(default_factory=RequestStats)
+    # As in RequestOutput, while they are asked for: one entry per output token; one per
+    # prompt token, filled while the prompt's chunks run (the first prompt token's is None).
+    logprobs: list[dict[int, float]] | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     def __post_init__(self):
         self.stats.arrival_time = time.perf_counter()
+        if self.params.logprobs is not None:
+            self.logprobs = []
+        if self.params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None]
 
     @property
     def all_ids(self) -> list[int]:
@@ -135,6 +150,13 @@ class Request:
                 + self.output_ids[max(start - P, 0):max(end - P, 0)])
 
     @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Prompt log-probabilities were asked for and some are still missing (a prompt
+        recomputed after preemption does not add them again)."""
+        return (self.prompt_logprobs is not None
+                and len(self.prompt_logprobs) < len(self.prompt_ids))
+
+    @property
     def last_token(self) -> int:
         return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
 
@@ -149,4 +171,7 @@ class Request:
 
     def output(self) -> RequestOutput:
         return RequestOutput(self.request_id, list(self.prompt_ids), list(self.output_ids),
-                             self.text, self.finish_reason, self.stats, self.error)
+                             self.text, self.finish_reason, self.stats, self.error,
+                             None if self.logprobs is None else list(self.logprobs),
+                             None if self.prompt_logprobs is None
+                             else list(self.prompt_logprobs))

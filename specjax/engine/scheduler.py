@@ -10,6 +10,7 @@ import collections
 from typing import Callable
 
 from specjax.engine.allocator import BlockAllocator, OutOfBlocks
+from specjax.engine.prefix_cache import PrefixCachePolicy
 from specjax.engine.request import Request, Status
 
 
@@ -26,8 +27,10 @@ class Scheduler:
     def __init__(self, allocator: BlockAllocator, num_slots: int, prefill_chunk: int,
                  max_prefill_rows: int, max_draft_len: int, drafts_in_step: bool,
                  on_preempt: Callable[[Request], None] = lambda request: None,
-                 verify_len: Callable[[int], int] = lambda draft_len: draft_len):
+                 verify_len: Callable[[int], int] = lambda draft_len: draft_len,
+                 prefix_cache: PrefixCachePolicy | None = None):
         self.allocator = allocator
+        self.prefix_cache = prefix_cache
         self.prefill_chunk = prefill_chunk
         self.max_prefill_rows = max_prefill_rows
         self.max_draft_len = max_draft_len
@@ -44,24 +47,52 @@ class Scheduler:
 
     # -- admission ---------------------------------------------------------------------------
 
-    def admit(self) -> None:
+    def admit(self) -> list[Request]:
         """Admit waiting requests, oldest first, while a slot is free and the pool holds the
-        whole prompt plus a generation step, so admission cannot thrash."""
+        whole prompt plus a generation step, so admission cannot thrash. A request starts
+        with the prefix cache's blocks for its leading tokens (`num_computed` past them).
+        Returns the requests admitted."""
+        admitted = []
         headroom = self.reserve_for(self.max_draft_len)
         # Blocks already promised to running requests' unprocessed tokens are not free to give.
         budget = self.allocator.num_free_blocks - sum(
             self.allocator.blocks_needed(r.request_id, r.pending + headroom) for r in self.running)
         while self.waiting and self._free_slots:
             request = self.waiting[0]
-            need = self.allocator.blocks_needed(None, request.num_tokens + headroom)
+            cached: tuple[list[int], list[int]] = ([], [])
+            if self.prefix_cache is not None and self.prefix_cache.reads(request):
+                tokens = request.all_ids
+                cached = self.allocator.match(tokens)
+                if self._being_computed(self.allocator.next_key(tokens, cached[1])):
+                    break  # a running prompt is computing this prefix: share it when done
+            bs = self.allocator.tokens_per_block
+            need = (self.allocator.blocks_needed(None, request.num_tokens + headroom)
+                    - len(cached[0]) + self.allocator.cost(cached[0]))
             if need > budget:
                 break
             budget -= need
             self.waiting.popleft()
             request.status = Status.RUNNING
             request.slot = self._free_slots.pop()
-            self.allocator.allocate(request.request_id)
+            self.allocator.allocate(request.request_id, cached)
+            request.num_computed = len(cached[0]) * bs
+            request.stats.num_cached_tokens = request.num_computed
+            if self.prefix_cache is not None:
+                self.prefix_cache.admitted(request, cached[0])
             self.running.append(request)
+            admitted.append(request)
+        return admitted
+
+    def _being_computed(self, key) -> bool:
+        """Whether a running request still taking in its prompt will publish the block of
+        this key (so a request sharing the prefix waits rather than computes it twice)."""
+        if key is None:
+            return False
+        for r in self.running:
+            if not r.prefilled and r.request_id in self.allocator:
+                if self.allocator.next_key(r.all_ids, self.allocator.entries(r.request_id)) == key:
+                    return True
+        return False
 
     # -- rows of the next steps ----------------------------------------------------------------
 

@@ -33,6 +33,8 @@ class EngineStats:
     step_time: float = 0.0
     num_preemptions: int = 0          # requests sent back to the queue to free KV blocks
     num_failed_requests: int = 0      # finished with "error" (their own fault, or the device)
+    prefix_cache_queries: int = 0     # tokens of admitted requests looked up in the prefix cache
+    prefix_cache_hits: int = 0        # of those, tokens whose K/V came from the cache
     verified_histogram: list[int] = dataclasses.field(default_factory=list)
     accepted_histogram: list[int] = dataclasses.field(default_factory=list)
 
@@ -75,6 +77,12 @@ class EngineStats:
     @property
     def acceptance_rate(self) -> float | None:
         return self.accepted_draft_tokens / self.drafted_tokens if self.drafted_tokens else None
+
+    @property
+    def prefix_cache_hit_rate(self) -> float | None:
+        """Share of looked-up tokens whose K/V the prefix cache supplied (None before any)."""
+        q = self.prefix_cache_queries
+        return self.prefix_cache_hits / q if q else None
 
     @property
     def draft_overhead(self) -> float | None:

@@ -1,7 +1,8 @@
 """`python -m specjax.serve`: serve a model over an OpenAI-compatible HTTP API.
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (streaming with SSE or not),
-GET /v1/models, GET|HEAD /health, GET /metrics (Prometheus).
+GET /v1/models, GET|HEAD /health, GET /metrics (Prometheus). Prompt prefixes seen before reuse
+their K/V (the prefix cache) unless --no-prefix-cache.
 
 Limits: request heads and bodies must arrive within --request-timeout (else 408), at most
 --max-concurrency requests run at once (else 503), only --allowed-hosts are answered (else
@@ -67,6 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--shutdown-timeout", type=float, default=30.0,
                         help="seconds requests in flight get to finish on shutdown before "
                              "they end with an error")
+    parser.add_argument("--no-prefix-cache", action="store_true",
+                        help="do not reuse the K/V of prompt prefixes seen before (default: "
+                             "reused; blocks no request holds stay findable until evicted)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                         help="parameter dtype (default: the checkpoint's)")
     parser.add_argument("--seed", type=int, default=None,
@@ -129,7 +133,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
         llm = LLM(args.model, dtype=args.dtype, max_batch_size=args.max_batch_size,
                   max_model_len=args.max_model_len, num_kv_blocks=args.kv_blocks,
-                  seed=args.seed, speculative_config=spec, warmup=True)
+                  seed=args.seed, speculative_config=spec,
+                  enable_prefix_cache=not args.no_prefix_cache, warmup=True)
         app = create_app(llm, settings)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)

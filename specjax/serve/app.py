@@ -6,8 +6,12 @@ it is handed to the engine thread; only then does a 200 or an event stream start
 tokenising the prompt run in a worker thread (`prepare.py`), never on the event loop; text
 deltas are computed incrementally on the loop (`text_stream.py`).
 
-A request that fails in the engine gets an error of its own (a 500 body, or an error event and
-`data: [DONE]` in a stream); the others go on. Shutdown is bounded: `begin_shutdown` (called
+A request with several choices (`n`, batched prompts) submits one engine request per choice,
+all at once or none (429); its stream interleaves the choices' chunks, each with its `index`,
+and the choices' text and logprobs are computed by `choices.ChoiceStream` whether streamed or
+not. A request that fails in the engine gets an error of its own (a 500 body, or an error event
+and `data: [DONE]` in a stream) -- any failing choice fails its whole request and cancels the
+other choices; other requests go on. Shutdown is bounded: `begin_shutdown` (called
 when uvicorn starts shutting down, see `http_server.py`) refuses new requests with 503 and
 gives those in flight `shutdown_timeout` seconds before ending them with a 503 error.
 """
@@ -33,10 +37,12 @@ from specjax.serve.errors import APIError, error_body, install_error_handlers
 from specjax.serve.guard import ConcurrencyLimit, GuardMiddleware
 from specjax.serve.hosts import LOOPBACK_HOSTS, HostGuard, normalize_host
 from specjax.serve.metrics import CONTENT_TYPE, ServerMetrics
+from specjax.serve.choices import ChoiceStream
+from specjax.serve.logprobs import TokenTexts
 from specjax.serve.prepare import Prepared, RequestPreparer
 from specjax.serve.protocol import (ChatCompletionRequest, ChatFormat, CompletionFormat,
-                                    CompletionRequest, finish_reason, request_field_names)
-from specjax.serve.text_stream import TextStream
+                                    CompletionRequest, finish_reason, request_field_names,
+                                    total_usage)
 
 log = logging.getLogger("specjax.serve")
 
@@ -94,6 +100,7 @@ class Server:
                              "tokenizer.json, or pass LLM(..., tokenizer=...)")
         self.llm, self.settings, self.chat_template = llm, settings, chat_template
         self.tokenizer = llm.tokenizer
+        self.token_texts = TokenTexts(self.tokenizer)
         engine = llm.engine
         # Immutable engine facts, read here once so handlers never touch the engine.
         self.vocab_size = engine.model_config.vocab_size
@@ -113,83 +120,123 @@ class Server:
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         prepared = await run_in_threadpool(self.prepare.completion, body)
-        return await self.generate(request, prepared, body.stream, body.include_usage,
-                                   CompletionFormat(self.settings.model_names[0]))
+        fmt = CompletionFormat(self.settings.model_names[0], self.token_texts)
+        return await self.generate(request, prepared, body.stream, body.include_usage, fmt,
+                                   logprobs=body.logprobs is not None)
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
         prepared = await run_in_threadpool(self.prepare.chat, body)
-        return await self.generate(request, prepared, body.stream, body.include_usage,
-                                   ChatFormat(self.settings.model_names[0]))
+        fmt = ChatFormat(self.settings.model_names[0], self.token_texts, body.top_logprobs or 0)
+        return await self.generate(request, prepared, body.stream, body.include_usage, fmt,
+                                   logprobs=bool(body.logprobs))
 
     async def generate(self, request: Request, prepared: Prepared, stream: bool | None,
-                       include_usage: bool, fmt: CompletionFormat) -> Response:
+                       include_usage: bool, fmt: CompletionFormat, logprobs: bool) -> Response:
+        """Submit every choice of the request (all or none), then answer with one body or a
+        stream. Any choice that fails fails the whole request and cancels the others."""
         if self.shutting_down:
             raise APIError(503, "the server is shutting down", None, "shutting_down")
         loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[Event] = asyncio.Queue()
-        sub = Submission(prepared.prompt_ids, prepared.params, stream=bool(stream),
-                         deliver=lambda event: loop.call_soon_threadsafe(queue.put_nowait, event))
+        queue: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
+        choices = prepared.choices()
+
+        def deliver_to(index: int):
+            return lambda event: loop.call_soon_threadsafe(queue.put_nowait, (index, event))
+
+        subs = [Submission(c.prompt_ids, c.params, stream=bool(stream),
+                           deliver=deliver_to(c.index)) for c in choices]
+        streams = [ChoiceStream(c.index, self.tokenizer, c.params.stop, logprobs, c.echo)
+                   for c in choices]
         try:
-            self.engine_thread.submit(sub)
+            self.engine_thread.submit_all(subs)
         except QueueFull as e:
             raise APIError(429, str(e), None, "queue_full") from None
         except EngineStopped as e:
             raise APIError(503, str(e), None, "engine_stopped") from None
         if stream:
-            return StreamingResponse(self.stream(sub, queue, fmt, include_usage),
+            return StreamingResponse(self.stream(subs, streams, queue, fmt, include_usage,
+                                                 prepared.n),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache",
                                               "X-Accel-Buffering": "no"})
-        event = await self.wait_final(request, sub, queue)
-        if event is None:
+        finals = await self.wait_final(request, subs, queue)
+        if finals is None:
             return Response(status_code=499)  # the client is gone; nobody reads this
-        if isinstance(event, EngineFailure):
-            raise APIError(event.status, event.message, None, event.code)
-        return JSONResponse(fmt.response(event.text, event))
+        failure = next((e for e in finals if isinstance(e, EngineFailure)), None)
+        if failure is not None:
+            raise APIError(failure.status, failure.message, None, failure.code)
+        body = []
+        for cs, out in zip(streams, finals):
+            text, entries = cs.update(out)
+            body.append(fmt.choice(cs.index, text, entries, out))
+        return JSONResponse(fmt.response(body, total_usage(finals, prepared.n)))
 
-    async def wait_final(self, request: Request, sub: Submission,
-                         queue: asyncio.Queue[Event]) -> Event | None:
-        """The final event, or None (and the request cancelled) if the client disconnects."""
-        get = asyncio.ensure_future(queue.get())
+    def cancel_all(self, subs: list[Submission]) -> None:
+        for sub in subs:   # a no-op for those already over
+            self.engine_thread.cancel(sub)
+
+    async def wait_final(self, request: Request, subs: list[Submission],
+                         queue: asyncio.Queue[tuple[int, Event]]) -> list[Event] | None:
+        """Every choice's final event in choice order -- or, as soon as one fails, that
+        failure (and the others cancelled); None (all cancelled) if the client disconnects."""
+        finals: dict[int, Event] = {}
         gone = asyncio.ensure_future(_disconnected(request))
+        get: asyncio.Future | None = None
         try:
-            await asyncio.wait({get, gone}, return_when=asyncio.FIRST_COMPLETED)
-            if get.done():
-                return get.result()
-            return None
-        finally:
-            answered = get.done() and not get.cancelled()
-            get.cancel()
-            gone.cancel()
-            if not answered:  # the client left, or this handler was cancelled (shutdown)
-                self.engine_thread.cancel(sub)
-
-    async def stream(self, sub: Submission, queue: asyncio.Queue[Event], fmt: CompletionFormat,
-                     include_usage: bool) -> AsyncIterator[str]:
-        """Server-sent events in OpenAI's format. Leaving early (the client disconnected and
-        Starlette cancelled us) cancels the request, which frees its KV blocks."""
-        text = TextStream(self.tokenizer, sub.params.stop)
-        over = False
-        try:
-            for chunk in fmt.first_chunks():
-                yield _sse(chunk)
-            while not over:
-                event = await _newest(queue)
+            while len(finals) < len(subs):
+                get = asyncio.ensure_future(queue.get())
+                await asyncio.wait({get, gone}, return_when=asyncio.FIRST_COMPLETED)
+                if not get.done():
+                    return None
+                index, event = get.result()
                 if isinstance(event, EngineFailure):
-                    over = True
-                    yield _sse(error_body(event.status, event.message, None, event.code))
+                    return [event]
+                finals[index] = event
+            return [finals[i] for i in range(len(subs))]
+        finally:
+            if get is not None:
+                get.cancel()
+            gone.cancel()
+            # Whatever ended this wait (answered, a failure, the client left, or the handler
+            # was cancelled at shutdown), nothing of this request may go on running.
+            self.cancel_all(subs)
+
+    async def stream(self, subs: list[Submission], streams: list[ChoiceStream],
+                     queue: asyncio.Queue[tuple[int, Event]], fmt: CompletionFormat,
+                     include_usage: bool, n: int) -> AsyncIterator[str]:
+        """Server-sent events in OpenAI's format: the choices' chunks interleave, each with its
+        index and its own finish chunk; one usage chunk at the end if asked for. A failing
+        choice ends the stream with an error event (the others are cancelled). Leaving early
+        (the client disconnected and Starlette cancelled us) cancels every choice, which frees
+        their KV blocks."""
+        finished = 0
+        try:
+            for chunk in fmt.first_chunks(len(subs)):
+                yield _sse(chunk)
+            while finished < len(subs):
+                failure = None
+                for index, event in (await _newest(queue)).items():
+                    if isinstance(event, EngineFailure):
+                        failure = event
+                        break
+                    cs = streams[index]
+                    delta, entries = cs.update(event)
+                    if event.finished:
+                        finished += 1
+                    if delta or entries or event.finished:
+                        yield _sse(fmt.chunk(index, delta, entries,
+                                             finish_reason(event) if event.finished else None,
+                                             include_usage))
+                if failure is not None:
+                    self.cancel_all(subs)
+                    yield _sse(error_body(failure.status, failure.message, None, failure.code))
                     break
-                delta = text.delta(event.token_ids, event.finished, event.text)
-                over = event.finished
-                if delta or over:
-                    yield _sse(fmt.chunk(delta, finish_reason(event) if over else None,
-                                         include_usage))
-                if over and include_usage:
-                    yield _sse(fmt.usage_chunk(event))
+            else:
+                if include_usage:
+                    yield _sse(fmt.usage_chunk(total_usage([cs.final for cs in streams], n)))
             yield SSE_DONE
         finally:
-            if not over:
-                self.engine_thread.cancel(sub)
+            self.cancel_all(subs)
 
     # -- shutdown ------------------------------------------------------------------------
 
@@ -228,12 +275,15 @@ class Server:
              "owned_by": "specjax", "max_model_len": self.max_len}]}
 
 
-async def _newest(queue: asyncio.Queue[Event]) -> Event:
-    """The newest queued event (outputs are cumulative, so it says it all)."""
-    event = await queue.get()
+async def _newest(queue: asyncio.Queue[tuple[int, Event]]) -> dict[int, Event]:
+    """Per choice, its newest queued event (outputs are cumulative, so it says it all); a
+    failure, a request's last event, is never replaced."""
+    index, event = await queue.get()
+    newest = {index: event}
     while not queue.empty():
-        event = queue.get_nowait()
-    return event
+        index, event = queue.get_nowait()
+        newest[index] = event
+    return newest
 
 
 async def _disconnected(request: Request) -> None:

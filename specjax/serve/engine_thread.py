@@ -136,15 +136,20 @@ class EngineThread:
 
     def submit(self, submission: Submission) -> None:
         """Hand a validated request to the engine; raises QueueFull or EngineStopped."""
+        self.submit_all([submission])
+
+    def submit_all(self, submissions: list[Submission]) -> None:
+        """Hand over the engine requests of one HTTP request (its choices) all at once, or
+        none of them: raises QueueFull if they do not all fit in the queue."""
         with self._cond:
             if not self.alive:
                 raise EngineStopped("the server is shutting down" if self._stopping
                                     else "the engine is not running")
-            if len(self._inbox) + self._engine_waiting >= self.max_queue:
+            if len(self._inbox) + self._engine_waiting + len(submissions) > self.max_queue:
                 raise QueueFull(f"the server's queue is full ({self.max_queue} requests "
                                 "waiting); retry later")
-            self._inbox.append(submission)
-            self._open.add(submission)
+            self._inbox.extend(submissions)
+            self._open.update(submissions)
             self._cond.notify()
 
     def cancel(self, submission: Submission) -> None:

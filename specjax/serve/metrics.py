@@ -59,6 +59,12 @@ class ServerMetrics:
              "far", lambda: snap().num_preemptions),
             ("specjax_engine_failed_requests", "Requests the engine finished with an error "
              "(their own fault, or the device's), so far", lambda: snap().num_failed_requests),
+            ("specjax_prefix_cache_hit_rate", "Prompt tokens found in the prefix cache / "
+             "prompt tokens looked up, so far (NaN before any lookup, or with the cache off)",
+             lambda: _nan_if_none(snap().prefix_cache_hit_rate)),
+            ("specjax_prefix_cache_blocks", "KV-cache blocks the prefix cache holds (findable "
+             "for reuse; those no request holds also count as free)",
+             lambda: snap().prefix_cache_blocks),
             ("specjax_spec_acceptance_length", "(accepted drafts + n) / n over the n "
              "request-steps that verified drafts (NaN before any draft)",
              lambda: _nan_if_none(snap().acceptance_length)),

@@ -10,6 +10,10 @@ never the engine. Failures raise `InvalidArgument` or `APIError`: 400s naming th
 Lengths follow one rule: a client that names an output length (`max_tokens`,
 `max_completion_tokens`) gets it or a 400 saying how much room the prompt left; without one,
 the default is cut to the room left (chat: all of it; completions: OpenAI's 16 at most).
+
+A request may make several choices (`n`, and a list of prompts for completions): every prompt
+and the choice count are checked before anything is handed to the engine, so a request is
+refused whole or not at all.
 """
 from __future__ import annotations
 
@@ -18,17 +22,47 @@ from typing import Any, Sequence
 
 from specjax.sampling_params import SamplingParams
 from specjax.serve.chat import ChatTemplate
+from specjax.serve.choices import Echo, prompt_offsets
 from specjax.serve.errors import APIError
-from specjax.serve.protocol import (COMPLETIONS_DEFAULT_MAX_TOKENS, ChatCompletionRequest,
-                                    CompletionRequest, GenerationRequest)
+from specjax.serve.protocol import (COMPLETIONS_DEFAULT_MAX_TOKENS, MAX_CHOICES,
+                                    ChatCompletionRequest, CompletionRequest,
+                                    GenerationRequest, sample_seed)
 from specjax.tokenizer import Tokenizer
 from specjax.validation import InvalidArgument, check_prompt, check_request, check_room, shown
 
 
 @dataclasses.dataclass(frozen=True)
-class Prepared:
+class Choice:
+    """One engine request of an HTTP request."""
+
+    index: int
     prompt_ids: list[int]
     params: SamplingParams
+    echo: Echo | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Prepared:
+    """Every choice of one HTTP request, prompt-major: index = prompt_index * n + i."""
+
+    prompts: list[list[int]]
+    params: list[SamplingParams]   # per prompt (its max_tokens fitted to its room)
+    n: int = 1
+    echoes: list[Echo] | None = None   # per prompt, with echo
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        return self.prompts[0]
+
+    def choices(self) -> list[Choice]:
+        out = []
+        for p, (prompt, params) in enumerate(zip(self.prompts, self.params)):
+            for i in range(self.n):
+                sample = (params if i == 0 else
+                          dataclasses.replace(params, seed=sample_seed(params.seed, i)))
+                out.append(Choice(p * self.n + i, prompt, sample,
+                                  self.echoes[p] if self.echoes else None))
+        return out
 
 
 def check_text(param: str, text: str) -> None:
@@ -61,13 +95,45 @@ class RequestPreparer:
         self.check_model(body.model)
         params = body.sampling_params(COMPLETIONS_DEFAULT_MAX_TOKENS, self.max_tokens_cap)
         self.check_stops(params.stop)
-        return self.finish(body, self.completion_prompt(body.prompt), params, "prompt")
+        given = body.prompts()
+        if not given:
+            raise InvalidArgument("prompt", "prompt must hold at least one prompt")
+        self.check_choices(len(given), body.num_samples)
+        prompts, fitted = [], []
+        for j, p in enumerate(given):
+            try:
+                ids = self.completion_prompt(p)
+                fitted.append(self.fit(body, ids, params, "prompt"))
+            except InvalidArgument as e:
+                if len(given) == 1:
+                    raise
+                # Say which prompt of the batch (the parameter keeps its name).
+                raise InvalidArgument(e.param, f"prompt[{j}]: {e}") from None
+            prompts.append(ids)
+        echoes = None
+        if body.echo:
+            texts = [p if isinstance(p, str) else self.tokenizer.decode(ids)
+                     for p, ids in zip(given, prompts)]
+            echoes = [Echo(text, prompt_offsets(self.tokenizer, ids, text)
+                           if body.logprobs is not None else ())
+                      for text, ids in zip(texts, prompts)]
+        return Prepared(prompts, fitted, body.num_samples, echoes)
 
     def chat(self, body: ChatCompletionRequest) -> Prepared:
         self.check_model(body.model)
         params = body.sampling_params(self.max_tokens_cap, self.max_tokens_cap)
         self.check_stops(params.stop)
-        return self.finish(body, self.chat_prompt(body), params, "messages")
+        self.check_choices(1, body.num_samples)
+        prompt = self.chat_prompt(body)
+        return Prepared([prompt], [self.fit(body, prompt, params, "messages")],
+                        body.num_samples)
+
+    @staticmethod
+    def check_choices(num_prompts: int, n: int) -> None:
+        if num_prompts * n > MAX_CHOICES:
+            raise InvalidArgument("n" if num_prompts == 1 else "prompt",
+                                  f"{num_prompts} prompt(s) x n={n} asks for {num_prompts * n} "
+                                  f"choices; this server makes at most {MAX_CHOICES} per request")
 
     def check_model(self, model: str) -> None:
         if model not in self.model_names:
@@ -80,11 +146,7 @@ class RequestPreparer:
             check_text("stop", stop)
 
     def completion_prompt(self, prompt: Any) -> list[int]:
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise InvalidArgument("prompt", f"prompt holds {len(prompt)} prompts; this "
-                                                "server takes one prompt per request")
-            prompt = prompt[0]
+        """One prompt of the request: text or token ids."""
         if isinstance(prompt, str):
             check_text("prompt", prompt)
             return encode_text(self.tokenizer, prompt, add_bos=True)
@@ -104,8 +166,8 @@ class RequestPreparer:
         check_text("messages", text)  # a checkpoint's template could still produce one
         return encode_text(self.tokenizer, text, add_bos=self.chat_template.add_bos)
 
-    def finish(self, body: GenerationRequest, prompt_ids: list[int], params: SamplingParams,
-               param: str) -> Prepared:
+    def fit(self, body: GenerationRequest, prompt_ids: list[int], params: SamplingParams,
+            param: str) -> SamplingParams:
         """The prompt checks `Engine.validate` runs, and the output length fitted to the room
         the prompt leaves."""
         check_prompt(prompt_ids, self.vocab_size, self.max_len, param=param)
@@ -116,4 +178,4 @@ class RequestPreparer:
             room = self.max_len - len(prompt_ids)   # >= 1: check_prompt made sure
             params = dataclasses.replace(params, max_tokens=min(params.max_tokens, room))
         check_request(prompt_ids, params, SamplingParams, self.vocab_size, self.max_len)
-        return Prepared(prompt_ids, params)
+        return params

@@ -3,24 +3,36 @@
 Types are checked by pydantic (FastAPI's 422 becomes a 400, see `errors.py`); values by
 `specjax.validation`, the same checks `SamplingParams` and the engine run. Options the engine
 cannot honour are declared here so they are refused by name rather than silently ignored.
+
+One HTTP request may ask for several choices: `n` samples of each prompt (and, for
+/v1/completions, a list of prompts). Each choice is one engine request; choice `index` is
+`prompt_index * n + i`, and a seeded request gives sample i the seed `seed + i` (mod 2**32).
+`usage` counts each prompt's tokens once (not once per choice: OpenAI's and vLLM's rule) and
+every choice's generated tokens.
 """
 from __future__ import annotations
 
+import re
 import time
 import uuid
-from typing import Any, Literal
+from typing import Any, Literal, Sequence
 
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, StrictStr
 
 from specjax.engine.request import RequestOutput
 from specjax.sampling_params import SamplingParams
-from specjax.validation import (InvalidArgument, check_max_tokens, check_stop,
-                                check_temperature, check_unsupported)
+from specjax.serve.logprobs import TokenLogprob, TokenTexts, chat_logprobs, completion_logprobs
+from specjax.validation import (MAX_LOGIT_BIAS, MAX_LOGPROBS, UINT32_MAX, InvalidArgument,
+                                check_int, check_logprobs, check_max_tokens,
+                                check_stop, check_temperature, check_unsupported, shown)
 
 Number = StrictFloat | StrictInt
 MAX_STOP_STRINGS = 4          # OpenAI's limit
 MAX_TEMPERATURE = 2.0         # OpenAI's range is [0, 2]
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16   # OpenAI's default for /v1/completions
+MAX_N = 128                   # choices per prompt (OpenAI's limit for chat)
+MAX_CHOICES = 128             # choices per HTTP request: n x the number of prompts
+_TOKEN_ID_KEY = re.compile(r"[0-9]{1,10}")   # a logit_bias key: a token id, in decimal
 
 
 class _Strict(BaseModel):
@@ -31,6 +43,23 @@ class _Strict(BaseModel):
 class StreamOptions(_Strict):
     include_usage: StrictBool | None = None
     continuous_usage_stats: StrictBool | None = None  # vLLM's; refused unless false
+
+
+def parse_logit_bias(bias: dict[str, Any] | None) -> tuple[tuple[int, float], ...]:
+    """OpenAI's {"token id": bias} -> (id, bias) pairs; ranges are checked by
+    `validation.check_logit_bias` (with the vocabulary, in `check_request`)."""
+    if not bias:
+        return ()
+    if len(bias) > MAX_LOGIT_BIAS:   # before anything is converted
+        raise InvalidArgument("logit_bias", f"logit_bias may hold at most {MAX_LOGIT_BIAS} "
+                                            f"tokens, got {len(bias)}")
+    pairs = []
+    for key, value in bias.items():
+        if not _TOKEN_ID_KEY.fullmatch(key):
+            raise InvalidArgument("logit_bias", f"logit_bias keys must be token ids (decimal "
+                                                f"integers >= 0), got {shown(key)}")
+        pairs.append((int(key), value))
+    return tuple(pairs)
 
 
 class GenerationRequest(_Strict):
@@ -47,21 +76,15 @@ class GenerationRequest(_Strict):
     stream: StrictBool | None = None
     stream_options: StreamOptions | None = None
     user: StrictStr | None = None                   # accepted, unused
-    # Accepted only at the values that change nothing:
     n: StrictInt | None = None
+    logit_bias: dict[str, Number] | None = None
     presence_penalty: Number | None = None
     frequency_penalty: Number | None = None
-    repetition_penalty: Number | None = None
-    logit_bias: dict[str, Number] | None = None
+    repetition_penalty: Number | None = None        # extension (vLLM)
 
     def unsupported(self) -> dict[str, tuple[Any, tuple]]:
         """{field: (value, allowed values)} for the options the engine cannot honour."""
-        return {"n": (self.n, (None, 1)),
-                "presence_penalty": (self.presence_penalty, (None, 0)),
-                "frequency_penalty": (self.frequency_penalty, (None, 0)),
-                "repetition_penalty": (self.repetition_penalty, (None, 1)),
-                "logit_bias": (self.logit_bias, (None, {})),
-                "stream_options.continuous_usage_stats": (
+        return {"stream_options.continuous_usage_stats": (
                     self.stream_options and self.stream_options.continuous_usage_stats,
                     (None, False))}
 
@@ -69,13 +92,24 @@ class GenerationRequest(_Strict):
         """The requested output length and the field that holds it."""
         return self.max_tokens, "max_tokens"
 
+    @property
+    def num_samples(self) -> int:
+        return 1 if self.n is None else self.n
+
+    def logprob_fields(self) -> dict[str, int | None]:
+        """SamplingParams' `logprobs` / `prompt_logprobs`, checked (endpoint-specific)."""
+        return {}
+
     def sampling_params(self, default_max_tokens: int, max_tokens_cap: int) -> SamplingParams:
-        """Every value check, in field order; raises InvalidArgument naming the field."""
+        """Every value check, in field order; raises InvalidArgument naming the field.
+        The parameters of the first choice (sample i: `choice_params`)."""
         for name, (value, allowed) in self.unsupported().items():
             check_unsupported(name, value, allowed)
         if self.stream_options is not None and not self.stream:
             raise InvalidArgument("stream_options", "stream_options is only allowed when "
                                                     "stream is true")
+        if self.n is not None:
+            check_int("n", self.n, low=1, high=MAX_N)
         max_tokens, name = self.requested_max_tokens()
         if max_tokens is None:
             max_tokens = min(default_max_tokens, max_tokens_cap)
@@ -92,16 +126,26 @@ class GenerationRequest(_Strict):
             max_tokens=max_tokens, temperature=temperature, top_k=top_k,
             top_p=1.0 if self.top_p is None else self.top_p,
             min_p=0.0 if self.min_p is None else self.min_p, seed=self.seed, stop=tuple(stop),
-            stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=bool(self.ignore_eos))
+            stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=bool(self.ignore_eos),
+            logit_bias=parse_logit_bias(self.logit_bias), **self.logprob_fields(),
+            **{name: value for name, value in (
+                ("presence_penalty", self.presence_penalty),
+                ("frequency_penalty", self.frequency_penalty),
+                ("repetition_penalty", self.repetition_penalty)) if value is not None})
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
+def sample_seed(seed: int | None, i: int) -> int | None:
+    """Sample i of a seeded request draws with `seed + i` (within uint32); unseeded samples
+    each get their own seed from the engine."""
+    return None if seed is None else (seed + i) % (UINT32_MAX + 1)
+
+
 class CompletionRequest(GenerationRequest):
-    """POST /v1/completions. One prompt: text, or token ids (a one-element list of either is
-    accepted too)."""
+    """POST /v1/completions. `prompt`: text, token ids, or a list of either (batched)."""
 
     prompt: StrictStr | list[StrictInt] | list[StrictStr] | list[list[StrictInt]]
     best_of: StrictInt | None = None
@@ -110,9 +154,32 @@ class CompletionRequest(GenerationRequest):
     suffix: StrictStr | None = None
 
     def unsupported(self) -> dict[str, tuple[Any, tuple]]:
-        return {**super().unsupported(), "best_of": (self.best_of, (None, 1)),
-                "echo": (self.echo, (None, False)), "logprobs": (self.logprobs, (None,)),
+        # best_of = n changes nothing (the n samples are the n best of n).
+        return {**super().unsupported(), "best_of": (self.best_of, (None, self.num_samples)),
                 "suffix": (self.suffix, (None, ""))}
+
+    def logprob_fields(self) -> dict[str, int | None]:
+        if self.logprobs is None:
+            return {}
+        check_logprobs("logprobs", self.logprobs)
+        # echo with logprobs reports the prompt's tokens first.
+        return {"logprobs": self.logprobs,
+                "prompt_logprobs": self.logprobs if self.echo else None}
+
+    def sampling_params(self, default_max_tokens: int, max_tokens_cap: int) -> SamplingParams:
+        if self.echo and self.max_tokens == 0:
+            raise InvalidArgument("max_tokens", "max_tokens must be >= 1: echo with "
+                                                "max_tokens 0 (scoring the prompt alone) is "
+                                                "not supported, every choice generates at "
+                                                "least one token")
+        return super().sampling_params(default_max_tokens, max_tokens_cap)
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts, one per list element for a batch."""
+        p = self.prompt
+        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
+            return list(p)
+        return [p]
 
 
 class TextPart(_Strict):
@@ -146,12 +213,22 @@ class ChatCompletionRequest(GenerationRequest):
     response_format: dict[str, Any] | None = None
 
     def unsupported(self) -> dict[str, tuple[Any, tuple]]:
-        return {**super().unsupported(), "logprobs": (self.logprobs, (None, False)),
-                "top_logprobs": (self.top_logprobs, (None, 0)),
-                "tools": (self.tools, (None, [])), "tool_choice": (self.tool_choice, (None, "none")),
+        return {**super().unsupported(),
+                "tools": (self.tools, (None, [])),
+                "tool_choice": (self.tool_choice, (None, "none")),
                 "functions": (self.functions, (None, [])),
                 "function_call": (self.function_call, (None, "none")),
                 "response_format": (self.response_format, (None, {"type": "text"}))}
+
+    def logprob_fields(self) -> dict[str, int | None]:
+        if self.top_logprobs is not None:
+            check_int("top_logprobs", self.top_logprobs, low=0, high=MAX_LOGPROBS)
+            # vLLM's rule: 0 asks for nothing and is accepted alone.
+            if self.top_logprobs > 0 and not self.logprobs:
+                raise InvalidArgument("top_logprobs", "top_logprobs requires logprobs: true")
+        if not self.logprobs:
+            return {}
+        return {"logprobs": self.top_logprobs or 0}
 
     def requested_max_tokens(self) -> tuple[int | None, str]:
         # The newer name wins; both are accepted, as by OpenAI.
@@ -166,10 +243,16 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def usage(out: RequestOutput) -> dict[str, int]:
-    prompt, completion = len(out.prompt_token_ids), len(out.token_ids)
-    return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion}
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def total_usage(finals: Sequence[RequestOutput], n: int) -> dict[str, int]:
+    """Over the final outputs of one HTTP request, in choice order: each prompt's tokens once
+    (choices prompt-major, `n` per prompt), every choice's generated tokens."""
+    prompt = sum(len(out.prompt_token_ids) for out in finals[::n])
+    return usage(prompt, sum(len(out.token_ids) for out in finals))
 
 
 OPENAI_FINISH_REASONS = frozenset({"stop", "length"})
@@ -182,33 +265,43 @@ def finish_reason(out: RequestOutput) -> str | None:
 
 
 class CompletionFormat:
-    """Payloads of /v1/completions."""
+    """Payloads of /v1/completions. `texts` spells tokens for logprobs; `top_k` is the number
+    of top logprobs a chat token lists (unused here: completions list the engine's dict)."""
 
     object_name, chunk_object = "text_completion", "text_completion"
 
-    def __init__(self, model: str):
+    def __init__(self, model: str, texts: TokenTexts | None = None, top_k: int = 0):
         self.id, self.model, self.created = new_id("cmpl"), model, int(time.time())
+        self.texts, self.top_k = texts, top_k
 
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def first_chunks(self) -> list[dict[str, Any]]:
+    def logprobs(self, entries: list[TokenLogprob] | None) -> dict[str, Any] | None:
+        return None if entries is None else completion_logprobs(entries, self.texts)
+
+    def first_chunks(self, num_choices: int) -> list[dict[str, Any]]:
         return []
 
-    def chunk(self, text: str, reason: str | None, with_usage: bool) -> dict[str, Any]:
+    def chunk(self, index: int, text: str, entries: list[TokenLogprob] | None,
+              reason: str | None, with_usage: bool) -> dict[str, Any]:
         body = {**self._head(self.chunk_object), "choices": [
-            {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}]}
+            {"index": index, "text": text, "logprobs": self.logprobs(entries),
+             "finish_reason": reason}]}
         if with_usage:
             body["usage"] = None  # OpenAI: null on every chunk but the last
         return body
 
-    def usage_chunk(self, out: RequestOutput) -> dict[str, Any]:
-        return {**self._head(self.chunk_object), "choices": [], "usage": usage(out)}
+    def usage_chunk(self, totals: dict[str, int]) -> dict[str, Any]:
+        return {**self._head(self.chunk_object), "choices": [], "usage": totals}
 
-    def response(self, text: str, out: RequestOutput) -> dict[str, Any]:
-        return {**self._head(self.object_name), "choices": [
-            {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason(out)}],
-            "usage": usage(out)}
+    def choice(self, index: int, text: str, entries: list[TokenLogprob] | None,
+               out: RequestOutput) -> dict[str, Any]:
+        return {"index": index, "text": text, "logprobs": self.logprobs(entries),
+                "finish_reason": finish_reason(out)}
+
+    def response(self, choices: list[dict[str, Any]], totals: dict[str, int]) -> dict[str, Any]:
+        return {**self._head(self.object_name), "choices": choices, "usage": totals}
 
 
 class ChatFormat(CompletionFormat):
@@ -216,27 +309,34 @@ class ChatFormat(CompletionFormat):
 
     object_name, chunk_object = "chat.completion", "chat.completion.chunk"
 
-    def __init__(self, model: str):
-        super().__init__(model)
+    def __init__(self, model: str, texts: TokenTexts | None = None, top_k: int = 0):
+        super().__init__(model, texts, top_k)
         self.id = new_id("chatcmpl")
 
-    def first_chunks(self) -> list[dict[str, Any]]:
-        return [self._chat_chunk({"role": "assistant", "content": ""}, None)]
+    def logprobs(self, entries: list[TokenLogprob] | None) -> dict[str, Any] | None:
+        return None if entries is None else chat_logprobs(entries, self.texts, self.top_k)
 
-    def _chat_chunk(self, delta: dict[str, Any], reason: str | None) -> dict[str, Any]:
+    def first_chunks(self, num_choices: int) -> list[dict[str, Any]]:
+        return [self._chat_chunk(i, {"role": "assistant", "content": ""}, None, None)
+                for i in range(num_choices)]
+
+    def _chat_chunk(self, index: int, delta: dict[str, Any], logprobs: dict[str, Any] | None,
+                    reason: str | None) -> dict[str, Any]:
         return {**self._head(self.chunk_object), "choices": [
-            {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}]}
+            {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}]}
 
-    def chunk(self, text: str, reason: str | None, with_usage: bool) -> dict[str, Any]:
-        body = self._chat_chunk({"content": text} if text or reason is None else {}, reason)
+    def chunk(self, index: int, text: str, entries: list[TokenLogprob] | None,
+              reason: str | None, with_usage: bool) -> dict[str, Any]:
+        body = self._chat_chunk(index, {"content": text} if text or reason is None else {},
+                                self.logprobs(entries), reason)
         if with_usage:
             body["usage"] = None
         return body
 
-    def response(self, text: str, out: RequestOutput) -> dict[str, Any]:
-        return {**self._head(self.object_name), "choices": [
-            {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-             "finish_reason": finish_reason(out)}], "usage": usage(out)}
+    def choice(self, index: int, text: str, entries: list[TokenLogprob] | None,
+               out: RequestOutput) -> dict[str, Any]:
+        return {"index": index, "message": {"role": "assistant", "content": text},
+                "logprobs": self.logprobs(entries), "finish_reason": finish_reason(out)}
 
 
 def request_field_names() -> frozenset[str]:

@@ -10,9 +10,19 @@ arrives) and the start of a stop string (the engine cuts the final text where a 
 begins). Held-back text is only ever a suffix that could start a stop string, so it stays
 short. At the finish the engine's final text is authoritative: the last delta is whatever of
 it the client has not been sent.
+
+Which tokens a chunk reports (their logprobs): token i starts at the number of characters
+decoded before its piece (a token holding part of a character has an empty piece; the one that
+completes the character carries it). A token is reported once the client has been sent text
+beyond its start; at the finish every token not yet reported is, except when a stop string cut
+the text: then only those that start before the cut (the tokens that completed the stop string,
+or came after it in the same step, have no text in the choice and are not reported). The same
+rule serves a whole response (one delta at the finish), so the tokens reported over a stream
+are exactly those of the non-streamed response.
 """
 from __future__ import annotations
 
+import bisect
 import os
 from typing import Any, Protocol, Sequence
 
@@ -59,6 +69,9 @@ class TextStream:
         self._fed = 0              # ids of the output given to the decoder so far
         self._parts: list[str] = []  # what was sent, joined only when asked for
         self._held = ""            # decoded and not sent: a possible stop string's start
+        self._starts: list[int] = []  # per token fed: characters decoded before its piece
+        self._decoded = 0          # characters decoded so far
+        self._reportable = 0       # tokens whose logprobs may be sent (see the module doc)
 
     @property
     def sent(self) -> str:
@@ -68,9 +81,11 @@ class TextStream:
         """New text for the output so far (`token_ids` is cumulative); `final_text` (the
         engine's, stop strings cut) wins once the request has finished."""
         for token in token_ids[self._fed:]:
+            self._starts.append(self._decoded)
             piece = self._decoder.step(self._source, token)
             if piece:
                 self._held += piece
+                self._decoded += len(piece)
         self._fed = len(token_ids)
         if finished and final_text is not None:
             return self._finish(final_text)
@@ -80,7 +95,19 @@ class TextStream:
         new, self._held = self._held[:len(self._held) - keep], self._held[len(self._held) - keep:]
         if new:
             self._parts.append(new)
+        self._reportable = (len(self._starts) if finished else
+                            bisect.bisect_left(self._starts, self._decoded - len(self._held)))
         return new
+
+    @property
+    def reportable(self) -> int:
+        """How many of the tokens fed may be reported after the last `delta`: a count that
+        never falls (module doc)."""
+        return self._reportable
+
+    def start(self, i: int) -> int:
+        """Token i's character offset in the text."""
+        return self._starts[i]
 
     def _finish(self, final_text: str) -> str:
         sent = self.sent
@@ -89,4 +116,7 @@ class TextStream:
         # A mismatch cannot happen with byte-level decoders; never resend what the client has.
         new = final_text[common:]
         self._parts, self._held = [sent, new], ""
+        cut = len(final_text) < self._decoded   # a stop string cut the decoded text
+        self._reportable = max(self._reportable, bisect.bisect_left(self._starts, len(final_text))
+                               if cut else len(self._starts))
         return new

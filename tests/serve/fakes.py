@@ -18,14 +18,30 @@ class FakeAllocator:
         self.num_free_blocks = self.total_blocks
 
 
+def fake_logprobs(token: int, k: int) -> dict[int, float]:
+    """Deterministic {id: logprob} in the engine's convention: the top k in descending order,
+    then the chosen token if it is not among them. An even token is the top one; an odd one
+    is outside the top k (so it comes last)."""
+    top = [(1000 + j, -0.1 * (j + 1)) for j in range(k)]
+    if token % 2 == 0 and k > 0:
+        top = [(token, -0.05)] + top[:k - 1]
+    entries = dict(top)
+    if token not in entries:
+        entries[token] = -3.0 - 0.01 * token
+    return entries
+
+
 class FakeEngine:
     """`slots` requests run at once, each holding one block and gaining one token a step
-    (token id = its position, 1, 2, ...), a step taking `step_delay` seconds."""
+    (token id = its position, 1, 2, ...), a step taking `step_delay` seconds. With
+    `tokenizer`, a finished output's text is its tokens decoded (else ""); logprobs and
+    prompt logprobs are `fake_logprobs` when the parameters ask for them."""
 
     max_len = 128
     model_config = types.SimpleNamespace(vocab_size=4096)
 
-    def __init__(self, slots: int = 1, step_delay: float = 0.0):
+    def __init__(self, slots: int = 1, step_delay: float = 0.0, tokenizer=None):
+        self.tokenizer = tokenizer
         self.slots = slots
         self.step_delay = step_delay
         self.waiting: collections.deque = collections.deque()
@@ -41,6 +57,7 @@ class FakeEngine:
         self.add_gate.set()
         self.in_add = threading.Event()
         self.aborted: list[int] = []
+        self.added: list[tuple[list[int], object]] = []   # (prompt, params) per request
         self._next = 0
 
     def add_request(self, prompt_ids, params):
@@ -49,6 +66,7 @@ class FakeEngine:
         rid, self._next = self._next, self._next + 1
         self.waiting.append(type("R", (), dict(request_id=rid, prompt=list(prompt_ids),
                                                params=params, out=[]))())
+        self.added.append((list(prompt_ids), params))
         return rid
 
     def has_unfinished(self):
@@ -91,9 +109,17 @@ class FakeEngine:
                 self.running.remove(r)
                 self.allocator.num_free_blocks += 1
             reason = "error" if failed else "length" if done else None
-            outs.append(RequestOutput(r.request_id, r.prompt, list(r.out), "", reason,
+            p = r.params
+            text = self.tokenizer.decode(r.out) if done and self.tokenizer else ""
+            logprobs = (None if getattr(p, "logprobs", None) is None else
+                        [fake_logprobs(t, p.logprobs) for t in r.out])
+            prompt_logprobs = (None if getattr(p, "prompt_logprobs", None) is None else
+                               [None] + [fake_logprobs(t, p.prompt_logprobs)
+                                         for t in r.prompt[1:]])
+            outs.append(RequestOutput(r.request_id, r.prompt, list(r.out), text, reason,
                                       RequestStats(), "injected: device secret" if failed
-                                      else None))
+                                      else None, logprobs=logprobs,
+                                      prompt_logprobs=prompt_logprobs))
         return outs
 
 

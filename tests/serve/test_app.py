@@ -129,6 +129,7 @@ def test_models_health_and_model_alias(server, client):
 # -- what is refused, before any stream opens -------------------------------------------------
 
 LONG = list(range(1, 201))   # 200 tokens: the context holds 128
+LONG_TEXT = "x " * 300
 BAD_COMPLETIONS = [
     ({"max_tokens": "5"}, "max_tokens"),
     ({"max_tokens": 0}, "max_tokens"),
@@ -146,13 +147,26 @@ BAD_COMPLETIONS = [
     ({"seed": -1}, "seed"),
     ({"seed": 2**40}, "seed"),
     ({"seed": True}, "seed"),
-    ({"n": 2}, "n"),
-    ({"best_of": 3}, "best_of"),
-    ({"logprobs": 5}, "logprobs"),
-    ({"echo": True}, "echo"),
-    ({"presence_penalty": 0.5}, "presence_penalty"),
-    ({"frequency_penalty": -1}, "frequency_penalty"),
-    ({"logit_bias": {"17": 5}}, "logit_bias"),
+    ({"n": 0}, "n"),
+    ({"n": 129}, "n"),                            # MAX_N
+    ({"n": 1.5}, "n"),
+    ({"best_of": 3}, "best_of"),                  # only best_of = n is accepted
+    ({"n": 2, "best_of": 3}, "best_of"),
+    ({"logprobs": 21}, "logprobs"),               # MAX_LOGPROBS
+    ({"logprobs": -1}, "logprobs"),
+    ({"logprobs": True}, "logprobs"),
+    ({"echo": True, "max_tokens": 0}, "max_tokens"),
+    ({"presence_penalty": 2.5}, "presence_penalty"),   # OpenAI's [-2, 2]
+    ({"frequency_penalty": -3}, "frequency_penalty"),
+    ({"frequency_penalty": "high"}, "frequency_penalty"),
+    ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"logit_bias": {"x": 5}}, "logit_bias"),     # keys are token ids
+    ({"logit_bias": {"-1": 5}}, "logit_bias"),
+    ({"logit_bias": {"1.5": 5}}, "logit_bias"),
+    ({"logit_bias": {"17": 101}}, "logit_bias"),  # [-100, 100]
+    ({"logit_bias": {"17": "a"}}, "logit_bias"),
+    ({"logit_bias": {"4096": 1}}, "logit_bias"),  # outside the vocabulary
+    ({"logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias"),
     ({"suffix": "end"}, "suffix"),
     ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ({"stop": [""]}, "stop"),
@@ -163,7 +177,11 @@ BAD_COMPLETIONS = [
     ({"prompt": LONG}, "prompt"),                 # longer than the context
     ({"prompt": [5000]}, "prompt"),               # outside the vocabulary
     ({"prompt": []}, "prompt"),
-    ({"prompt": ["a", "b"]}, "prompt"),           # batched prompts
+    ({"prompt": ["a", [1]]}, "prompt"),           # a batch of mixed kinds
+    ({"prompt": [[1, 2], []]}, "prompt"),         # one bad prompt refuses the batch
+    ({"prompt": ["a", LONG_TEXT]}, "prompt"),
+    ({"prompt": ["a"] * 129}, "prompt"),          # over MAX_CHOICES
+    ({"prompt": ["a", "b"], "n": 65}, "prompt"),
     ({"prompt": {"text": "a"}}, "prompt"),
     ({"frobnicate": 1}, "frobnicate"),            # unknown argument
     ({"stream": "yes"}, "stream"),
@@ -176,7 +194,15 @@ BAD_CHATS = [
     ({"messages": [{"role": "user", "content": "x", "extra": 1}]}, "messages[0].extra"),
     ({"messages": [{"role": "user", "content": "x " * 300}]}, "messages"),   # too long
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    ({"logprobs": True}, "logprobs"),
+    ({"top_logprobs": 3}, "top_logprobs"),        # needs logprobs: true
+    ({"logprobs": False, "top_logprobs": 1}, "top_logprobs"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"logprobs": True, "top_logprobs": -1}, "top_logprobs"),
+    ({"logprobs": 1}, "logprobs"),
+    ({"n": 0}, "n"),
+    ({"n": 129}, "n"),
+    ({"logit_bias": {"a": 1}}, "logit_bias"),
+    ({"logit_bias": {"1": -100.5}}, "logit_bias"),
     ({"response_format": {"type": "json_object"}}, "response_format"),
     ({"max_completion_tokens": 0}, "max_completion_tokens"),
     ({"max_tokens": 101}, "max_tokens"),

@@ -185,3 +185,21 @@ def test_serve_subprocess_with_checkpoint_chat_template(tmp_path, bundled_tokeni
             proc.kill()
             raise
     assert code == 0
+
+
+@pytest.mark.parametrize("flag, enabled", [([], True), (["--no-prefix-cache"], False)])
+def test_no_prefix_cache_reaches_the_llm(flag, enabled, monkeypatch, capsys):
+    """The flag parses and becomes LLM(enable_prefix_cache=...); the stand-in LLM stops main
+    before anything loads."""
+    import specjax.llm
+    seen = {}
+
+    def fake_llm(*args, **kwargs):
+        seen.update(kwargs)
+        raise ValueError("stand-in LLM: stop here")
+
+    monkeypatch.setattr(specjax.llm, "LLM", fake_llm)
+    monkeypatch.delenv("SPECJAX_API_KEY", raising=False)
+    assert cli.main(["--speculative-config", "none", *flag]) == 2
+    assert "stand-in LLM" in capsys.readouterr().err
+    assert seen["enable_prefix_cache"] is enabled

@@ -1,15 +1,23 @@
-"""Every speculative mode on the shipped models: greedy output equals plain greedy output."""
+"""Every speculative mode on the shipped models: greedy output equals plain greedy output, with
+the prefix cache sharing blocks written while drafts were rejected and without it; with
+penalties and logit bias too, and the log-probabilities reported equal plain decoding's."""
 import pytest
 
 import specjax
 from specjax import (DFlashConfig, DraftTargetConfig, EagleConfig, MTPConfig, NGramConfig,
-                     PARDConfig, SamplingParams, UserProvidedConfig)
+                     PARDConfig, SAConfig, SamplingParams, UserProvidedConfig)
 from specjax.models.registry import CHECKPOINTS_DIR
 from tests.spec_checks import assert_mixed_acceptance
 
 PROMPTS = ["def fibonacci(n):", "import os\n\n\ndef read_config(path):\n", "class Stack:\n"]
 PARAMS = SamplingParams(max_tokens=32)
 SIZES = dict(max_batch_size=2, prefill_chunk=32, max_model_len=128, progress=False)
+# Penalties count the drafts before each verified position; logprobs are the target's.
+OPTIONS = [SamplingParams(max_tokens=24, logprobs=3, presence_penalty=0.8),
+           SamplingParams(max_tokens=24, logprobs=0, frequency_penalty=0.5,
+                          repetition_penalty=1.3, logit_bias={10: 3.0, 300: -2.0}),
+           SamplingParams(max_tokens=24, logprobs=2, prompt_logprobs=2, repetition_penalty=1.5)]
+LOGPROB_TOL = 1e-5
 
 
 class Repeat(specjax.Drafter):
@@ -19,9 +27,33 @@ class Repeat(specjax.Drafter):
         return list(token_ids[-2:]) * max_draft_len
 
 
+def later_turns(first) -> list[list[int]]:
+    """Prompts that extend the first round's requests mid-block (their cached prefixes were
+    written while drafts were being rejected), and one that shares only part of a prompt."""
+    return ([o.prompt_token_ids + o.token_ids[:21] + [5] for o in first]
+            + [first[1].prompt_token_ids[:7] + [9, 9]])
+
+
 @pytest.fixture(scope="module")
 def plain():
-    return [o.token_ids for o in specjax.LLM("bundled", **SIZES).generate(PROMPTS, PARAMS)]
+    llm = specjax.LLM("bundled", enable_prefix_cache=False, **SIZES)
+    first = llm.generate(PROMPTS, PARAMS)
+    second = llm.generate(later_turns(first), PARAMS)
+    options = llm.generate(PROMPTS, OPTIONS)
+    # The options change the output: the equality below is not plain greedy's again.
+    assert all(a.token_ids != b.token_ids[:24] for a, b in zip(options, first))
+    return [o.token_ids for o in first], [o.token_ids for o in second], options
+
+
+def assert_same_logprobs(outs, plain_outs):
+    for out, ref in zip(outs, plain_outs):
+        assert out.token_ids == ref.token_ids
+        entries = out.logprobs + (out.prompt_logprobs or [None])[1:]
+        ref_entries = ref.logprobs + (ref.prompt_logprobs or [None])[1:]
+        assert len(entries) == len(ref_entries)
+        for e, r in zip(entries, ref_entries):
+            assert list(e) == list(r)
+            assert max(abs(e[t] - r[t]) for t in e) <= LOGPROB_TOL
 
 
 @pytest.mark.parametrize("config", [
@@ -41,12 +73,34 @@ def plain():
     # The parallel drafters: the mask token and the capture layers from their folders.
     PARDConfig(max_draft_len=4, speculative_model="bundled-pard"),
     DFlashConfig(max_draft_len=4, speculative_model="bundled-dflash"),
+    SAConfig(max_draft_len=4),
 ], ids=lambda c: c.mode.name + ("_TREE" if getattr(c, "use_dynamic_tree", False) else ""))
 def test_bundled_greedy_equivalence(plain, config):
     llm = specjax.LLM("bundled", speculative_config=config, **SIZES)
-    if config.mode.has_spec_decoder():
+    if config.mode.has_draft_module():
         assert llm.engine.speculation.draft_model is not None
-    assert [o.token_ids for o in llm.generate(PROMPTS, PARAMS)] == plain
+    first = llm.generate(PROMPTS, PARAMS)
+    assert [o.token_ids for o in first] == plain[0]
     assert llm.stats.acceptance_length is not None and llm.stats.acceptance_length > 1.0
     assert_mixed_acceptance(llm.stats, config.max_draft_len)
-    assert llm.engine.allocator.num_free_blocks == llm.engine.allocator.total_blocks
+    assert_same_logprobs(llm.generate(PROMPTS, OPTIONS), plain[2])
+    # The prefix cache on: later turns start from the first round's blocks.
+    second = llm.generate(later_turns(first), PARAMS)
+    assert [o.token_ids for o in second] == plain[1]
+    # Vanilla MTP shares only blocks its prompts' prefill wrote (its modules keep K/V of
+    # drafts), and these prompts are shorter than a block plus its lookahead.
+    vanilla_mtp = getattr(config, "use_mtp_vanilla", False)
+    assert vanilla_mtp or all(o.stats.num_cached_tokens > 0 for o in second[:3])
+    # ... and off (emptied while idle): the same tokens, and -- the drafter saw the same
+    # K/V -- the same drafts accepted (NGram's pool learns from every request, so it drafts
+    # differently the second time).
+    allocator = llm.engine.allocator
+    assert allocator.num_free_blocks == allocator.total_blocks
+    allocator.clear_cache()
+    again = llm.generate(later_turns(first), PARAMS)
+    assert [o.token_ids for o in again] == plain[1]
+    assert all(o.stats.num_cached_tokens == 0 for o in again)
+    if config.mode.name != "NGRAM":
+        accepted = lambda outs: [o.stats.num_accepted_draft_tokens for o in outs]
+        assert accepted(second) == accepted(again)
+    assert allocator.num_free_blocks == allocator.total_blocks

@@ -43,6 +43,8 @@ class ChainWorker:
     capture_layers: tuple[int, ...]
     rejection_sampling: bool = False
     tree: TreeShape | None = None   # a dynamic tree's shape; None drafts a chain
+    # Row t's K/V depend on the token at t+1 (`specjax.engine.prefix_cache`).
+    pool_lookahead = 1
 
     # -- what a concrete head provides -----------------------------------------------------
     def _first_hidden(self, head, captured: jax.Array) -> jax.Array:

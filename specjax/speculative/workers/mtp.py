@@ -32,6 +32,14 @@ class MTPWorker:
     num_modules: int
     target_config: ModelConfig
     rejection_sampling: bool = False
+    # Module s's K/V at t read the token at t+s+1, and rows written from drafts are not
+    # rewritten once the drafts are verified: only a prompt's prefill writes shareable blocks
+    # (`specjax.engine.prefix_cache`).
+    rewrites_committed = False
+
+    @property
+    def pool_lookahead(self) -> int:
+        return self.num_modules
 
     def make_kv(self, num_blocks: int, tokens_per_block: int, dtype: str) -> KVPool:
         cfg = self.target_config
