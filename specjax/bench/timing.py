@@ -91,7 +91,9 @@ def time_generation_steps(engine: Engine, batch_size: int, widths: Sequence[int]
                 state, out = fn(params, state, batch)
             jax.block_until_ready(out)
             best[k] = min(best[k], (time.perf_counter() - start) / iters)
-    ex.state = ex.state.replace(target=state.target, slots=state.slots)  # donated
+    # The step donated every leaf it was given (KV, slots, SA history, penalty counts): the
+    # engine keeps the returned ones, and its drafter state, which the step never saw.
+    ex.state = state.replace(draft=ex.state.draft)
     return best
 
 

@@ -15,6 +15,9 @@ Semantics (vLLM's, applied after the logit bias and before temperature):
 Each slot carries its counts on the device (`PenaltyState`): the steps add every emitted
 token; a request (re)starting in a slot sets them from all its tokens (`start_penalties`),
 since prompt chunks whose K/V come from the prefix cache never pass through a step.
+
+In-step drafters penalise their own logits the same way (`penalize_draft`, counting the
+drafts before each), so a drafter that agrees with the target keeps agreeing under penalties.
 """
 from __future__ import annotations
 
@@ -81,9 +84,10 @@ def tree_context(ancestors: jax.Array) -> jax.Array:
 
 def penalize(logits: jax.Array, state: PenaltyState, batch, run: jax.Array | None = None,
              context: jax.Array | None = None) -> jax.Array:
-    """logits `[B, W, V]` of the positions after `run` `[B, W]` (prefill: W = 1, no run) ->
-    penalised logits. `context` `[W, W]` or `[B, W, W]`: which run rows precede each
-    position (`chain_context`, `tree_context`). Batches without a penalised row skip it."""
+    """logits `[B, W, V]` of W positions, penalised for what precedes them: the slots'
+    counts plus, given a `run` `[B, R]` of tokens not yet counted, the run rows `context`
+    (`[W, R]` or `[B, W, R]` bool) marks before each position (`chain_context`,
+    `tree_context`). Batches without a penalised row skip it."""
     if state is None or batch.repetition_penalty is None:
         return logits
     rep = batch.repetition_penalty
@@ -94,7 +98,7 @@ def penalize(logits: jax.Array, state: PenaltyState, batch, run: jax.Array | Non
         B, W, V = logits.shape
         counts = state.counts[batch.slots][:, None, :]                       # [B, 1, V]
         if run is not None:
-            ctx = jnp.broadcast_to(context, (B, W, W)).astype(jnp.int32)
+            ctx = jnp.broadcast_to(context, (B, W, run.shape[1])).astype(jnp.int32)
             onehot = jax.nn.one_hot(run, V, dtype=jnp.int32)                   # [B, W, V]
             counts = counts + jnp.einsum("bji,biv->bjv", ctx, onehot)
         seen = counts > 0
@@ -107,3 +111,16 @@ def penalize(logits: jax.Array, state: PenaltyState, batch, run: jax.Array | Non
             logits.dtype)
 
     return jax.lax.cond(jnp.any(active), apply, lambda: logits)
+
+
+def penalize_draft(logits: jax.Array, state: PenaltyState, batch,
+                   drafts: jax.Array | None = None, num_before=None) -> jax.Array:
+    """An in-step drafter's logits `[B, V]` for the position after the run's first
+    `num_before` (default: all) `drafts` `[B, R]` -- the slots' counts already hold the newest
+    token -- penalised as verification will penalise that position, so a drafter that agrees
+    with the target without penalties still agrees with it with them."""
+    if drafts is None or drafts.shape[1] == 0:
+        return penalize(logits[:, None], state, batch)[:, 0]
+    R = drafts.shape[1]
+    before = jnp.arange(R)[None, :] < (R if num_before is None else num_before)   # [1, R]
+    return penalize(logits[:, None], state, batch, drafts, before)[:, 0]

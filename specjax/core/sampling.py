@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax.core.logits import apply_bias
+from specjax.core.penalties import PenaltyState, penalize_draft
 
 
 def filter_logits(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
@@ -65,17 +66,41 @@ def sample(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: j
 DRAFT_STREAM = 1  # drafts are drawn with the row's key for their position, folded with this
 
 
+def draft_logits(logits: jax.Array, batch, penalties: PenaltyState | None = None,
+                 drafts: jax.Array | None = None, num_before=None) -> jax.Array:
+    """A drafter's logits `[B, V]` as the target's are adjusted at the position it drafts
+    for: the request's logit bias, then its penalties counting the run's drafts so far (the
+    first `num_before`, default all, of `drafts` `[B, R]`: `penalize_draft`)."""
+    return penalize_draft(apply_bias(logits, batch.bias_ids, batch.bias_values), penalties,
+                          batch, drafts, num_before)
+
+
+def adjusts_logits(batch) -> jax.Array | bool:
+    """Whether any row's logits get a bias or a penalty (a traced scalar; False when the batch
+    cannot carry either): drafters that skip materialising logits must not skip them then."""
+    on = False
+    if batch.bias_ids is not None:
+        on = jnp.any(batch.bias_ids >= 0)
+    if batch.repetition_penalty is not None:
+        on = on | jnp.any((batch.repetition_penalty != 1) | (batch.frequency_penalty != 0)
+                          | (batch.presence_penalty != 0))
+    return on
+
+
 def draft_tokens_and_probs(logits: jax.Array, batch, positions: jax.Array,
-                           with_probs: bool) -> tuple[jax.Array, jax.Array | None]:
+                           with_probs: bool, penalties: PenaltyState | None = None,
+                           drafts: jax.Array | None = None, num_before=None
+                           ) -> tuple[jax.Array, jax.Array | None]:
     """A drafter's next tokens `[B]` for `positions` `[B]`, and (`with_probs`) the filtered
     distributions `[B, V]` they were drawn from.
 
     Without probs every row drafts the argmax (the best guess for strict matching). With them,
     sampled rows draw from the draft model's distribution filtered by the request's own
     parameters -- the same function the target side uses -- as rejection sampling requires;
-    greedy rows still take the argmax. The request's logit bias applies as on the target side.
+    greedy rows still take the argmax. The request's logit bias and penalties apply as on the
+    target side (`draft_logits`; `drafts` `[B, k]`: the run's drafts before this one).
     """
-    logits = apply_bias(logits, batch.bias_ids, batch.bias_values)
+    logits = draft_logits(logits, batch, penalties, drafts, num_before)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     if not with_probs:
         return greedy, None

@@ -119,7 +119,8 @@ def make_prefill_step(graphdef: nnx.GraphDef, worker: DraftWorker | None = None,
         drafts = probs = parents = from_sa = None
         if worker is not None:
             kv_draft, drafts, extra = worker.catch_up(params.draft, kv_draft, batch, model,
-                                                      captured, following, depth)
+                                                      captured, following, depth,
+                                                      penalties=penalties)
             if tree:  # a tree worker hands back the nodes' parents, a chain its distributions
                 parents = extra
             else:
@@ -195,7 +196,8 @@ def make_generation_step(graphdef: nnx.GraphDef, worker: DraftWorker | None = No
         drafts, probs, kv_draft = jnp.zeros((B, 0), jnp.int32), None, state.draft
         if worker is not None:
             kv_draft, drafts, probs = worker.draft(params.draft, kv_draft, batch, model,
-                                                   captured, new_tokens, lens, D)
+                                                   captured, new_tokens, lens, D,
+                                                   penalties=penalties)
         num = jnp.full((B,), drafts.shape[1], jnp.int32)
         history, from_sa = state.suffix, None
         if suffix is not None:

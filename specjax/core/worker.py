@@ -13,6 +13,7 @@ import jax
 
 from specjax.core.batch import StepBatch
 from specjax.core.kv import KVPool
+from specjax.core.penalties import PenaltyState
 from specjax.core.tree import TreeShape
 
 
@@ -38,7 +39,7 @@ class DraftWorker(Protocol):
         """The worker's zeroed pool, block for block beside the target's."""
 
     def catch_up(self, params: Any, kv: KVPool, batch: StepBatch, target, captured: jax.Array,
-                 following: jax.Array, num_drafts: int
+                 following: jax.Array, num_drafts: int, penalties: PenaltyState | None = None
                  ) -> tuple[KVPool, jax.Array | None, jax.Array | None]:
         """Prompt chunks: write the worker's K/V for the rows the target just processed.
         `following` `[B]`: the token after each run (the next prompt token or the one just
@@ -48,8 +49,15 @@ class DraftWorker(Protocol):
         sampling, which needs them)."""
 
     def draft(self, params: Any, kv: KVPool, batch: StepBatch, target, captured: jax.Array,
-              new_tokens: jax.Array, new_lens: jax.Array, num_drafts: int
+              new_tokens: jax.Array, new_lens: jax.Array, num_drafts: int,
+              penalties: PenaltyState | None = None
               ) -> tuple[KVPool, jax.Array, jax.Array | None]:
         """After acceptance (new_tokens `[B, D+1]`, new_lens `[B]` = accepted + 1): catch up
         over the accepted rows, then draft `num_drafts` tokens after each row's newest one ->
-        (kv, drafts `[B, num_drafts]`, their distributions `[B, num_drafts, V]` or None)."""
+        (kv, drafts `[B, num_drafts]`, their distributions `[B, num_drafts, V]` or None).
+
+        Drafting adjusts its logits as verification will (`specjax.core.sampling.draft_logits`:
+        the rows' logit bias, and `penalties` -- the slots' counts, the newest token included --
+        plus the drafts before each one), or a drafter that agrees with the target would
+        disagree with its penalised choice. Tree workers may leave penalties out (the target
+        still applies them: output stays exact; only acceptance pays)."""

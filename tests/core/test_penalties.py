@@ -5,7 +5,8 @@ import numpy as np
 
 from specjax.core.batch import empty_batch, set_row
 from specjax.core.penalties import (chain_context, make_penalty_state, penalize,
-                                    record_generated, start_penalties, tree_context)
+                                    penalize_draft, record_generated, start_penalties,
+                                    tree_context)
 from specjax.core.tree import tree_layout
 
 V, S = 12, 3
@@ -65,6 +66,24 @@ def test_chain_positions_count_the_drafts_before_them():
         want = reference(logits[0, j], counts, prompt_seen, run[0, 1:j + 1], 1.7, 0.4, 0.9)
         np.testing.assert_allclose(out[0, j], want, rtol=1e-6, atol=1e-5)
     np.testing.assert_array_equal(out[1], logits[1])    # the unpenalised row is untouched
+
+
+def test_a_drafter_penalises_each_draft_as_verification_will():
+    """Draft k's logits, penalised counting drafts 0 .. k-1 (all of a wider buffer, or its first
+    k), equal verification's at the row that checks draft k."""
+    state, _, _ = _state()
+    D = 4
+    rng = np.random.default_rng(3)
+    logits = jnp.asarray(rng.normal(size=(2, D + 1, V)).astype(np.float32) * 3)
+    run = jnp.asarray(rng.integers(0, V, (2, D + 1)).astype(np.int32))
+    batch = _batch(D + 1)
+    verified = np.asarray(penalize(logits, state, batch, run, chain_context(D + 1)))
+    drafts = run[:, 1:]
+    for k in range(D + 1):
+        exact = penalize_draft(logits[:, k], state, batch, drafts[:, :k])
+        masked = penalize_draft(logits[:, k], state, batch, drafts, num_before=k)
+        np.testing.assert_allclose(np.asarray(exact), verified[:, k], rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(np.asarray(masked), verified[:, k], rtol=1e-6, atol=1e-6)
 
 
 def test_tree_positions_count_their_ancestors():

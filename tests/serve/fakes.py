@@ -3,6 +3,7 @@ that need no model (and so no JAX compile)."""
 from __future__ import annotations
 
 import collections
+import dataclasses
 import threading
 import time
 import types
@@ -126,3 +127,21 @@ class FakeEngine:
 def fake_llm(tokenizer, engine: FakeEngine):
     """What `create_app` reads of an `LLM`."""
     return types.SimpleNamespace(tokenizer=tokenizer, engine=engine, model_path=None)
+
+
+def failing_prompt_step(engine, prompt: list[int], error: str = "injected"):
+    """`engine.step` (the real one) with every request of `prompt` failed at its first output,
+    as the engine fails a request: aborted (its blocks freed) and reported with
+    finish_reason "error". Patch it in with `monkeypatch.setattr(engine, "step", ...)`."""
+    real_step = engine.step
+
+    def step():
+        outs = []
+        for out in real_step():
+            if out.prompt_token_ids == prompt and not out.finished:
+                engine.abort(out.request_id)
+                out = dataclasses.replace(out, finish_reason="error", error=error)
+            outs.append(out)
+        return outs
+
+    return step

@@ -2,7 +2,6 @@
 for what must be refused (before any stream opens), auth, limits, metrics and failures."""
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import threading
@@ -12,6 +11,7 @@ import pytest
 
 from specjax.serve.protocol import COMPLETIONS_DEFAULT_MAX_TOKENS
 
+from fakes import failing_prompt_step
 from live_server import API_KEY, MODEL_NAME, REFERENCE_MAX_TOKENS, REFERENCE_PROMPTS
 
 openai = pytest.importorskip("openai")
@@ -331,6 +331,7 @@ def test_failed_step_is_a_generic_500_and_serving_goes_on(server, client, monkey
 
     monkeypatch.setattr(engine, "step", failing_step)
     thread = server.server.engine_thread
+    thread.errors.clear()  # the shared server's earlier tests may have left theirs
     try:
         response = httpx.post(f"{server.url}/v1/completions", headers=server.headers,
                               json={"model": MODEL_NAME, "prompt": "a", "max_tokens": 3})
@@ -389,19 +390,8 @@ def test_engine_error_fails_that_request_alone(server, client, monkeypatch):
     """The engine ends one request with finish_reason "error": it gets an error, not a
     finish_reason; the request running beside it is untouched."""
     engine = server.llm.engine
-    real_step = engine.step
-
-    def step():
-        outs = []
-        for out in real_step():
-            if out.prompt_token_ids == BAD_PROMPT and not out.finished:
-                engine.abort(out.request_id)   # as the engine does: it frees what it held
-                out = dataclasses.replace(out, finish_reason="error",
-                                          error="injected: device secret")
-            outs.append(out)
-        return outs
-
-    monkeypatch.setattr(engine, "step", step)
+    monkeypatch.setattr(engine, "step",
+                        failing_prompt_step(engine, BAD_PROMPT, "injected: device secret"))
     before = server.metrics().get('specjax_requests_total{outcome="error"}', 0)
     good: dict = {}
     beside = threading.Thread(target=lambda: good.update(out=client.completions.create(

@@ -5,7 +5,6 @@ then on the live tiny model (seeded samples equal single requests, greedy choice
 come back)."""
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import time
@@ -13,7 +12,7 @@ import types
 
 import httpx
 import pytest
-from fakes import FakeEngine, fake_llm, fake_logprobs
+from fakes import FakeEngine, failing_prompt_step, fake_llm, fake_logprobs
 from live_server import MODEL_NAME, REFERENCE_MAX_TOKENS, REFERENCE_PROMPTS, serve_in_thread
 
 from specjax.engine.engine import EngineSnapshot
@@ -382,18 +381,7 @@ BAD_PROMPT = [11, 12, 13, 14]
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_choice_the_engine_fails_fails_the_request(server, monkeypatch, stream):
     engine = server.llm.engine
-    real_step = engine.step
-
-    def step():
-        outs = []
-        for out in real_step():
-            if out.prompt_token_ids == BAD_PROMPT and not out.finished:
-                engine.abort(out.request_id)
-                out = dataclasses.replace(out, finish_reason="error", error="injected")
-            outs.append(out)
-        return outs
-
-    monkeypatch.setattr(engine, "step", step)
+    monkeypatch.setattr(engine, "step", failing_prompt_step(engine, BAD_PROMPT))
     body = {"model": MODEL_NAME, "prompt": [[1, 2, 3], BAD_PROMPT], "n": 2, "max_tokens": 60,
             "stream": stream}
     if stream:

@@ -200,6 +200,24 @@ def test_seeded_sampling_matches_plain_sampling(tiny_model, draft_model):
     assert_mixed_acceptance(spec.stats, 3)  # the greedy drafts do get rejected sometimes
 
 
+def test_self_drafting_keeps_every_draft_under_bias_and_penalties(tiny_model, tiny_llm,
+                                                                  greedy_refs):
+    """The drafter biases and penalises its logits as verification will (counting the drafts
+    before each): the target drafting for itself still has every draft accepted, and the
+    output is plain decoding's under the same adjustments."""
+    # The bias makes token 9 the choice until the frequency penalty outweighs it, after three
+    # of them: within draft runs, so a drafter that forgot its own drafts would be rejected.
+    params = SamplingParams(max_tokens=MAX_TOKENS, repetition_penalty=1.2, frequency_penalty=2.0,
+                            presence_penalty=0.1, logit_bias={9: 6.0})
+    spec = _llm(tiny_model, DraftTargetConfig(max_draft_len=3, speculative_model=tiny_model))
+    outs = [o.token_ids for o in spec.generate(PROMPTS, params)]
+    assert outs == [o.token_ids for o in tiny_llm.generate(PROMPTS, params)]
+    assert all(o != greedy_refs[tuple(p)][:MAX_TOKENS] for o, p in zip(outs, PROMPTS))
+    assert spec.stats.acceptance_rate == 1.0
+    assert_full_depth(spec.stats, 3)
+    assert _full_pool(spec)
+
+
 @pytest.mark.parametrize("schedule", [None, {1: 3, 3: 1}], ids=["fixed", "scheduled"])
 def test_overlap_on_and_off_give_identical_results(tiny_model, draft_model, greedy_refs,
                                                   schedule):

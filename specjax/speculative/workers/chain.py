@@ -25,7 +25,7 @@ from flax import nnx
 from specjax.core.batch import StepBatch
 from specjax.core.forward import PagedAttention, gather_context, take_rows, with_narrowest_table
 from specjax.core.kv import KVPool, make_kv_pool
-from specjax.core.sampling import draft_tokens_and_probs
+from specjax.core.sampling import adjusts_logits, draft_tokens_and_probs
 from specjax.core.tree import TreeShape
 from specjax.models.config import ModelConfig
 from specjax.models.eagle3_head import Eagle3HeadConfig
@@ -79,7 +79,7 @@ class ChainWorker:
         return make_kv_pool(1, *self._kv_shape(), num_blocks, tokens_per_block, dtype)
 
     def catch_up(self, params, kv: KVPool, batch: StepBatch, target, captured: jax.Array,
-                 following: jax.Array, num_drafts: int = 0
+                 following: jax.Array, num_drafts: int = 0, penalties=None
                  ) -> tuple[KVPool, jax.Array | None, jax.Array | None]:
         """Prompt chunks: write the drafter's K/V for the chunk's rows and, given
         `num_drafts`, draft that many tokens after each row's sampled token, so the first
@@ -88,17 +88,17 @@ class ChainWorker:
         tokens = shift_in(batch.tokens, batch.query_lens, following)
         if num_drafts:
             return self.draft(params, kv, batch, target, captured, tokens, batch.query_lens,
-                              num_drafts)
+                              num_drafts, penalties)
         head = nnx.merge(self.graphdef, params)
         kv, _ = head_pass(self._layer(head), kv, 0, batch.replace(tokens=tokens), target,
                           self._first_hidden(head, captured))
         return kv, None, None
 
     def draft(self, params, kv: KVPool, batch: StepBatch, target, captured: jax.Array,
-              new_tokens: jax.Array, new_lens: jax.Array, num_drafts: int
+              new_tokens: jax.Array, new_lens: jax.Array, num_drafts: int, penalties=None
               ) -> tuple[KVPool, jax.Array, jax.Array | None]:
         """After acceptance: catch up over the accepted rows, then draft `num_drafts` tokens
-        (a tree worker: a tree of that depth).
+        (a tree worker: a tree of that depth, without penalties).
 
         captured `[C, B, W, H]`, new_tokens `[B, W]` (the accepted rows in sequence order),
         new_lens `[B]` -> (kv, drafts `[B, num_drafts]`, their distributions
@@ -132,7 +132,7 @@ class ChainWorker:
             h = layer.finish(out, take_rows(residual, last)[:, None])[:, 0]   # [B, H]
             if self.tree is None:
                 return self._chain(head, layer, target, batch, context, h, context_lens, lens,
-                                   num_drafts)
+                                   num_drafts, penalties)
             return self._tree(head, layer, target, context, h, take_rows(new_tokens, last),
                               context_lens, num_drafts)
 
@@ -141,20 +141,30 @@ class ChainWorker:
                                              kv.tokens_per_block)
         return kv, drafts, extra
 
-    def _chain(self, head, layer, target, batch, context, h, newest, lens, num_drafts):
+    def _chain(self, head, layer, target, batch, context, h, newest, lens, num_drafts,
+               penalties):
         """D drafts one after another: draft k is one more row, fed draft k - 1 and the
         previous row's hidden_out. -> (drafts `[B, D]`, distributions `[B, D, V]` or None)."""
         keys, values, key_pos, key_valid = context
         live = (lens > 0)[:, None]
 
-        def propose(hidden_out, k):  # draft k (0-based) lands at newest + 1 + k
+        def propose(hidden_out, k, before):  # draft k (0-based) lands at newest + 1 + k
+            logits = lambda: self._logits(head, target, hidden_out)
             if not self.rejection_sampling:
-                return self._argmax(head, target, hidden_out), None
-            return draft_tokens_and_probs(self._logits(head, target, hidden_out), batch,
-                                          newest + 1 + k, True)
+                # Target-vocabulary logits only for batches that bias or penalise them.
+                adjusted = adjusts_logits(batch)
+                if adjusted is False:
+                    return self._argmax(head, target, hidden_out), None
+                return jax.lax.cond(
+                    adjusted,
+                    lambda: draft_tokens_and_probs(logits(), batch, None, False, penalties,
+                                                   before)[0],
+                    lambda: self._argmax(head, target, hidden_out)), None
+            return draft_tokens_and_probs(logits(), batch, newest + 1 + k, True, penalties,
+                                          before)
 
         h = h[:, None]
-        first, first_probs = propose(h[:, 0], 0)
+        first, first_probs = propose(h[:, 0], 0, None)
         # Unrolled (D is static): on XLA:CPU a scan's loop overhead costs more than these few
         # single-row passes.
         drafts, probs, token = [first], [first_probs], first
@@ -168,7 +178,7 @@ class ChainWorker:
             key_valid = jnp.concatenate([key_valid, live], axis=1)
             out = dense_attention(q_row, keys, values, pos, key_pos, k_valid=key_valid)
             h = layer.finish(out.astype(q_row.dtype), res_row)
-            token, p = propose(h[:, 0], k)
+            token, p = propose(h[:, 0], k, jnp.stack(drafts, axis=1))
             drafts.append(token)
             probs.append(p)
         return jnp.stack(drafts, axis=1), (None if first_probs is None

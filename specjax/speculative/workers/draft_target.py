@@ -36,14 +36,14 @@ class DraftTargetWorker:
                             tokens_per_block, dtype)
 
     def catch_up(self, params, kv: KVPool, batch: StepBatch, target, captured,
-                 following, num_drafts: int = 0) -> tuple[KVPool, None, None]:
+                 following, num_drafts: int = 0, penalties=None) -> tuple[KVPool, None, None]:
         """Write the draft model's K/V for the same runs the target just processed (drafting
         starts with the first generation step)."""
         kv, _, _ = paged_forward(nnx.merge(self.graphdef, params), kv, batch)
         return kv, None, None
 
     def draft(self, params, kv: KVPool, batch: StepBatch, target, captured,
-              new_tokens: jax.Array, new_lens: jax.Array, num_drafts: int
+              new_tokens: jax.Array, new_lens: jax.Array, num_drafts: int, penalties=None
               ) -> tuple[KVPool, jax.Array, jax.Array | None]:
         """After acceptance: catch up over the verified window, then draft `num_drafts` tokens
         one at a time from each row's newest token.
@@ -58,17 +58,19 @@ class DraftTargetWorker:
         newest = jnp.take_along_axis(new_tokens, (new_lens - 1)[:, None], axis=1)[:, 0]
         live = (batch.query_lens > 0).astype(jnp.int32)
 
-        def one(carry, _):
-            kv, token, pos = carry
+        def one(carry, k):
+            kv, token, pos, before = carry  # before: the drafts so far, zeros past k
             run = batch.replace(tokens=token[:, None], start_pos=pos, query_lens=live)
             kv, hidden, _ = paged_forward(model, kv, run)
             nxt, probs = draft_tokens_and_probs(model.logits(hidden[:, 0]), batch, pos + 1,
-                                                self.rejection_sampling)
-            return (kv, nxt, pos + 1), (nxt, probs)
+                                                self.rejection_sampling, penalties,
+                                                before, num_before=k)
+            return (kv, nxt, pos + 1, before.at[:, k].set(nxt)), (nxt, probs)
 
         start = batch.start_pos + new_lens  # the newest token's position
-        (kv, _, _), (drafts, probs) = jax.lax.scan(one, (kv, newest, start), None,
-                                                   length=num_drafts)
+        before = jnp.zeros((B, num_drafts), jnp.int32)
+        (kv, _, _, _), (drafts, probs) = jax.lax.scan(one, (kv, newest, start, before),
+                                                      jnp.arange(num_drafts))
         if probs is not None:
             probs = probs.transpose(1, 0, 2)
         return kv, drafts.T, probs

@@ -47,7 +47,7 @@ class MTPWorker:
                             tokens_per_block, dtype)
 
     def _modules_pass(self, head, kv, run: StepBatch, target, hidden, num_steps: int,
-                      with_probs: bool, draft_positions: jax.Array | None):
+                      with_probs: bool, draft_positions: jax.Array | None, penalties=None):
         """Modules 0 .. num_steps-1 over `run`'s rows; after module s, its row query_lens-1
         proposes token s+1, which enters module s+1's tokens after the last real row.
         -> (kv, drafts `[B, num_steps]`, probs or None)."""
@@ -61,7 +61,9 @@ class MTPWorker:
             logits = module.logits(take_rows(hidden, last), lm_head)
             positions = draft_positions + s if draft_positions is not None else last
             token, p = draft_tokens_and_probs(logits, run, positions,
-                                              with_probs and self.rejection_sampling)
+                                              with_probs and self.rejection_sampling,
+                                              penalties,
+                                              jnp.stack(drafts, axis=1) if drafts else None)
             drafts.append(token)
             probs.append(p)
             tokens = shift_in(tokens, run.query_lens, token)
@@ -72,7 +74,7 @@ class MTPWorker:
         return kv, stacked, jnp.stack(probs, axis=1)
 
     def catch_up(self, params, kv: KVPool, batch: StepBatch, target, captured: jax.Array,
-                 following: jax.Array, num_drafts: int = 0
+                 following: jax.Array, num_drafts: int = 0, penalties=None
                  ) -> tuple[KVPool, None, None]:
         head = nnx.merge(self.graphdef, params)
         run = batch.replace(tokens=shift_in(batch.tokens, batch.query_lens, following))
@@ -82,7 +84,7 @@ class MTPWorker:
         return kv, None, None
 
     def draft(self, params, kv: KVPool, batch: StepBatch, target, captured: jax.Array,
-              new_tokens: jax.Array, new_lens: jax.Array, num_drafts: int
+              new_tokens: jax.Array, new_lens: jax.Array, num_drafts: int, penalties=None
               ) -> tuple[KVPool, jax.Array, jax.Array | None]:
         head = nnx.merge(self.graphdef, params)
         lens = jnp.where(batch.query_lens > 0, new_lens, 0)
@@ -90,7 +92,7 @@ class MTPWorker:
         # At least module 0 runs, so the pool holds the accepted rows even when D = 0.
         kv, drafts, probs = self._modules_pass(head, kv, run, target, captured[0],
                                                max(num_drafts, 1), True,
-                                               batch.start_pos + new_lens + 1)
+                                               batch.start_pos + new_lens + 1, penalties)
         if probs is not None:
             probs = probs[:, :num_drafts]
         return kv, drafts[:, :num_drafts], probs

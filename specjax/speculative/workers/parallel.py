@@ -27,22 +27,34 @@ from flax import nnx
 from specjax.core.batch import StepBatch
 from specjax.core.forward import PagedAttention, paged_forward, with_narrowest_table
 from specjax.core.kv import KVPool, make_kv_pool
-from specjax.core.sampling import draft_tokens_and_probs
+from specjax.core.sampling import adjusts_logits, draft_tokens_and_probs
 from specjax.models.config import ModelConfig
 from specjax.models.dflash_head import DFlashHeadConfig
 from specjax.speculative.workers.common import attend_over_context
 
 
-def propose_block(logits: jax.Array, batch: StepBatch, first: jax.Array, rejection: bool
-                  ) -> tuple[jax.Array, jax.Array | None]:
+def propose_block(logits: jax.Array, batch: StepBatch, first: jax.Array, rejection: bool,
+                  penalties=None) -> tuple[jax.Array, jax.Array | None]:
     """logits `[B, K, V]` of one pass -> (drafts `[B, K]`, their distributions `[B, K, V]`
     under rejection sampling, else None); draft k lands at position first + k (`first` `[B]`),
-    whose key it is drawn with."""
-    if not rejection:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32), None
-    drawn = [draft_tokens_and_probs(logits[:, k], batch, first + k, True)
-             for k in range(logits.shape[1])]
-    return (jnp.stack([d for d, _ in drawn], axis=1), jnp.stack([p for _, p in drawn], axis=1))
+    whose key it is drawn with. Biased or penalised rows adjust draft k's logits as
+    verification will, counting drafts 0 .. k-1."""
+    def one_by_one(with_probs: bool):
+        drafts, probs = [], []
+        for k in range(logits.shape[1]):
+            d, p = draft_tokens_and_probs(logits[:, k], batch, first + k, with_probs, penalties,
+                                          jnp.stack(drafts, axis=1) if drafts else None)
+            drafts.append(d)
+            probs.append(p)
+        return jnp.stack(drafts, axis=1), (jnp.stack(probs, axis=1) if with_probs else None)
+
+    if rejection:
+        return one_by_one(True)
+    plain = lambda: jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    adjusted = adjusts_logits(batch)
+    if adjusted is False:
+        return plain(), None
+    return jax.lax.cond(adjusted, lambda: one_by_one(False)[0], plain), None
 
 
 def _local_pass(batch: StepBatch, kv: KVPool, context_lens: jax.Array, positions: jax.Array,
@@ -74,14 +86,14 @@ class PARDWorker:
                             tokens_per_block, dtype)
 
     def _drafts(self, model, hidden: jax.Array, rows: jax.Array, batch: StepBatch,
-                first: jax.Array) -> tuple[jax.Array, jax.Array | None]:
+                first: jax.Array, penalties) -> tuple[jax.Array, jax.Array | None]:
         """The drafts read at `rows` `[B, K]` of a pass's hidden `[B, W, H]`."""
         h = jnp.take_along_axis(hidden, rows[..., None], axis=1)
         logits = model.logits(h)[..., :self.vocab_size]
-        return propose_block(logits, batch, first, self.rejection_sampling)
+        return propose_block(logits, batch, first, self.rejection_sampling, penalties)
 
     def catch_up(self, params, kv: KVPool, batch: StepBatch, target, captured, following,
-                 num_drafts: int = 0):
+                 num_drafts: int = 0, penalties=None):
         """The chunk's K/V; after a prompt's last chunk, D drafts from one more pass over
         [the sampled token, mask x (D-1)], kept local (its blocks need not exist yet)."""
         model = nnx.merge(self.graphdef, params)
@@ -97,11 +109,11 @@ class PARDWorker:
         hidden = _local_pass(batch, kv, p, positions, live, lambda attend: model.run_layers(
             model.embed_tokens(tokens), positions, attend, None)[0], bidirectional=False)
         drafts, probs = self._drafts(model, hidden, jnp.broadcast_to(jnp.arange(K), (B, K)),
-                                     batch, p + 1)
+                                     batch, p + 1, penalties)
         return kv, drafts, probs
 
     def draft(self, params, kv: KVPool, batch: StepBatch, target, captured,
-              new_tokens: jax.Array, new_lens: jax.Array, num_drafts: int):
+              new_tokens: jax.Array, new_lens: jax.Array, num_drafts: int, penalties=None):
         """One pass over [window's first token, new_tokens[:lens], mask x (D-1)] from the
         window's start: K/V for the committed rows, drafts from the newest row on."""
         model = nnx.merge(self.graphdef, params)
@@ -119,7 +131,8 @@ class PARDWorker:
         if K == 0:
             return kv, jnp.zeros((B, 0), jnp.int32), None
         rows = (head_lens - 1)[:, None] + jnp.arange(K)
-        drafts, probs = self._drafts(model, hidden, rows, batch, batch.start_pos + head_lens)
+        drafts, probs = self._drafts(model, hidden, rows, batch, batch.start_pos + head_lens,
+                                     penalties)
         return kv, drafts, probs
 
 
@@ -146,7 +159,7 @@ class DFlashWorker:
         return kv
 
     def _block(self, head, kv: KVPool, batch: StepBatch, target, newest: jax.Array,
-               p: jax.Array, live: jax.Array, K: int):
+               p: jax.Array, live: jax.Array, K: int, penalties):
         """Drafts for positions p+1 .. p+K from the block [newest, mask x K] at p .. p+K."""
         B = newest.shape[0]
         tokens = jnp.concatenate([newest[:, None],
@@ -156,21 +169,21 @@ class DFlashWorker:
         hidden = _local_pass(batch, kv, p, positions, rows_live, lambda attend: head.run(
             target, tokens, positions, attend)[0], bidirectional=True)
         return propose_block(head.logits(target, hidden[:, 1:]), batch, p + 1,
-                             self.rejection_sampling)
+                             self.rejection_sampling, penalties)
 
     def catch_up(self, params, kv: KVPool, batch: StepBatch, target, captured, following,
-                 num_drafts: int = 0):
+                 num_drafts: int = 0, penalties=None):
         head = nnx.merge(self.graphdef, params)
         kv = self._write_context(head, kv, batch, captured)
         if not num_drafts:
             return kv, None, None
         drafts, probs = self._block(head, kv, batch, target, following,
                                     batch.start_pos + batch.query_lens, batch.query_lens > 0,
-                                    num_drafts)
+                                    num_drafts, penalties)
         return kv, drafts, probs
 
     def draft(self, params, kv: KVPool, batch: StepBatch, target, captured,
-              new_tokens: jax.Array, new_lens: jax.Array, num_drafts: int):
+              new_tokens: jax.Array, new_lens: jax.Array, num_drafts: int, penalties=None):
         """The accepted rows' context (the window's rows 0 .. lens-1 have the target's hidden
         states), then the block after the newest token."""
         head = nnx.merge(self.graphdef, params)
@@ -182,5 +195,5 @@ class DFlashWorker:
             return kv, jnp.zeros((B, 0), jnp.int32), None
         newest = jnp.take_along_axis(new_tokens, jnp.maximum(lens - 1, 0)[:, None], axis=1)[:, 0]
         drafts, probs = self._block(head, kv, batch, target, newest, batch.start_pos + lens,
-                                    live, num_drafts)
+                                    live, num_drafts, penalties)
         return kv, drafts, probs
