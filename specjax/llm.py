@@ -26,7 +26,8 @@ class LLM:
     specjax checkpoint folder, or a `Llama` instance (then pass `tokenizer` for text prompts).
 
     Compilation: each step shape (batch bucket x run width) compiles the first time a batch
-    needs it, so a few prompts pay only for the shapes they use; `warmup=True` (or
+    needs it (the buckets: `batch_sizes`, default 1, 2, 4, ... and `max_batch_size`; a batch
+    runs padded to the smallest that holds it), so a few prompts pay only for the shapes they use; `warmup=True` (or
     `llm.warmup()`) compiles every shape serving can use at once, after which generating
     never compiles (the server does this). Compiled steps persist in JAX's compilation cache
     (`specjax.engine.compile_cache`: `~/.cache/specjax/jax`, `SPECJAX_COMPILATION_CACHE=off`
@@ -35,7 +36,8 @@ class LLM:
 
     def __init__(self, model: str | os.PathLike | Llama = "bundled", *,
                  tokenizer: Tokenizer | None = None, dtype: str | None = None,
-                 max_batch_size: int = 8, max_model_len: int | None = None,
+                 max_batch_size: int = 8, batch_sizes: Sequence[int] | None = None,
+                 max_model_len: int | None = None,
                  num_kv_blocks: int | None = None, tokens_per_block: int = 16,
                  prefill_chunk: int = 64, max_prefill_rows: int = 2, seed: int | None = None,
                  speculative_config: SpeculativeConfig | None = None,
@@ -43,6 +45,7 @@ class LLM:
                  warmup: bool = False, progress: bool = True):
         compile_cache.enable()
         config = EngineConfig(max_batch_size=max_batch_size, max_model_len=max_model_len,
+                              batch_sizes=None if batch_sizes is None else tuple(batch_sizes),
                               tokens_per_block=tokens_per_block, num_kv_blocks=num_kv_blocks,
                               prefill_chunk=prefill_chunk, max_prefill_rows=max_prefill_rows,
                               overlap_scheduler=overlap_scheduler,

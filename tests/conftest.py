@@ -1,13 +1,27 @@
 """Shared tiny models and warmed-up engines: compile once per session, not once per test."""
+import atexit
 import gc
 import os
-
-# Tests compile what they use, in this process: a persistent cache from an earlier run would
-# hide compilations the compile counter looks for (tests/engine/test_compile_cache.py turns
-# it on in its own subprocesses).
-os.environ["SPECJAX_COMPILATION_CACHE"] = "off"
+import shutil
+import tempfile
 
 import jax
+
+# A persistent compilation cache of this test run's own, empty at its start and shared by its
+# xdist workers (the first process to load this file makes it; the workers it starts inherit
+# the variable). Each module drops its compiled programs (below), and the next module that
+# builds the same engine loads them from disk instead of compiling them again. Nothing from an
+# earlier run is in it, and the compile counter counts a load as a compilation
+# (tests/engine/test_compile_counter.py), so "no compiles after warm-up" still proves what it
+# says. Subprocesses the tests start compile everything themselves
+# (tests/engine/test_compile_cache.py gives its own a cache).
+if "SPECJAX_TESTS_JAX_CACHE" not in os.environ:
+    os.environ["SPECJAX_TESTS_JAX_CACHE"] = tempfile.mkdtemp(prefix="specjax-tests-jax-")
+    atexit.register(shutil.rmtree, os.environ["SPECJAX_TESTS_JAX_CACHE"], ignore_errors=True)
+jax.config.update("jax_compilation_cache_dir", os.environ["SPECJAX_TESTS_JAX_CACHE"])
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+os.environ["SPECJAX_COMPILATION_CACHE"] = "off"
+
 import pytest
 from flax import nnx
 

@@ -1,8 +1,10 @@
 """Count XLA compilations, to prove that serving after warm-up never compiles.
 
-The count comes from one JAX monitoring event, named below. Should JAX rename or stop sending
-it, every "no compilation" check would pass without measuring anything, so the first use in a
-process compiles a fresh function and raises `CompileCounterBroken` unless that was counted.
+The count comes from one JAX monitoring event, named below. JAX sends it for a program XLA
+built and for one loaded from the persistent compilation cache instead: either way the step
+waited for a program that was not in memory. Should JAX rename or stop sending it, every "no
+compilation" check would pass without measuring anything, so the first use in a process
+compiles a fresh function and raises `CompileCounterBroken` unless that was counted.
 """
 from __future__ import annotations
 

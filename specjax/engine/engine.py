@@ -31,7 +31,7 @@ from specjax.core.steps import runs_on_device
 from specjax.core.suffix import start_history
 from specjax.engine.allocator import BlockAllocator
 from specjax.engine.bookkeeper import Bookkeeper, DispatchedStep, GenerationRow
-from specjax.engine.executor import Executor, bucket
+from specjax.engine.executor import Executor, bucket, power_of_two_buckets
 from specjax.engine.hidden_states import HiddenStateRecorder
 from specjax.engine.output import OutputProcessor, logprob_entries
 from specjax.engine.prefix_cache import PrefixCachePolicy, pool_lookahead, rewrites_committed
@@ -59,6 +59,10 @@ class EngineConfig:
     num_kv_blocks: int | None = None    # default: room for max_batch_size full-length requests
     prefill_chunk: int = 64             # run width of prompt-chunk steps
     max_prefill_rows: int = 2           # per-step prompt token budget = chunk x rows
+    # The batch sizes generation steps compile for (CUDA-graph capture sizes in TensorRT-LLM):
+    # a batch runs padded to the smallest one that holds it. Default: 1, 2, 4, ... and
+    # max_batch_size. Fewer sizes, fewer programs to compile; more padding in small batches.
+    batch_sizes: tuple[int, ...] | None = None
     # Dispatch step N+1 before reading step N, in modes whose next inputs stay on device.
     overlap_scheduler: bool = True
     # Share full KV blocks of committed tokens between requests with a common prefix
@@ -74,6 +78,17 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 2):
                 raise ValueError(f"{name} must be an int >= 2, got {value!r}")
+        sizes = self.batch_sizes
+        if sizes is not None and (
+                not isinstance(sizes, tuple) or not sizes
+                or not all(isinstance(b, int) and 1 <= b <= self.max_batch_size for b in sizes)
+                or list(sizes) != sorted(set(sizes)) or sizes[-1] != self.max_batch_size):
+            raise ValueError(f"batch_sizes must be increasing ints from 1 up to and ending at "
+                             f"max_batch_size ({self.max_batch_size}), got {sizes!r}")
+
+    @property
+    def decode_buckets(self) -> tuple[int, ...]:
+        return self.batch_sizes or power_of_two_buckets(self.max_batch_size)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,7 +157,7 @@ class Engine:
         self.executor = Executor(graphdef, params, make_state, self.allocator, worker=spec.worker,
                                  suffix=spec.suffix,
                                  save_layers=spec.save_layers, blocks_per_seq=blocks_per_seq,
-                                 max_batch_size=config.max_batch_size,
+                                 decode_buckets=config.decode_buckets,
                                  prefill_chunk=config.prefill_chunk,
                                  max_prefill_rows=config.max_prefill_rows)
         self.bookkeeper = Bookkeeper(self.allocator, self.stats, spec.rewinds, self.gate,

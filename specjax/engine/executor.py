@@ -43,7 +43,7 @@ def bucket(n: int, buckets: tuple[int, ...]) -> int:
 class Executor:
     def __init__(self, graphdef, params: Params, make_state: Callable[[], EngineState],
                  allocator: BlockAllocator, *, worker: DraftWorker | None,
-                 save_layers: tuple[int, ...], blocks_per_seq: int, max_batch_size: int,
+                 save_layers: tuple[int, ...], blocks_per_seq: int, decode_buckets: tuple[int, ...],
                  prefill_chunk: int, max_prefill_rows: int, suffix: SuffixSpec | None = None):
         # Everything the steps take lives on one device, committed: a jitted step's signature
         # includes whether each argument is committed, so a mix (a head trained in the same
@@ -58,7 +58,7 @@ class Executor:
         self.blocks_per_seq = blocks_per_seq
         self.spare_slot = state.slots.spare  # the slot padded rows write to
         self.prefill_chunk = prefill_chunk
-        self.decode_buckets = power_of_two_buckets(max_batch_size)
+        self.decode_buckets = decode_buckets
         self.prefill_buckets = power_of_two_buckets(max_prefill_rows)
         self.inflight: DispatchedStep | None = None
         self._step_id = 0

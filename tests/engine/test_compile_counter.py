@@ -7,6 +7,8 @@ import pytest
 from specjax.engine import compile_counter
 from specjax.engine.compile_counter import CompileCounterBroken, count_compilations
 
+CACHE_LOAD_EVENT = "/jax/compilation_cache/cache_hits"
+
 
 def test_a_fresh_jit_counts_and_a_cached_call_does_not():
     double = jax.jit(lambda x: 2 * x - 1)
@@ -33,3 +35,22 @@ def test_a_renamed_event_is_caught(monkeypatch):
     with pytest.raises(CompileCounterBroken), count_compilations():
         pass
     assert not compile_counter._verified  # still unchecked: the next use checks again
+
+
+def test_a_program_loaded_from_the_persistent_cache_counts():
+    # tests/conftest.py gives this process an empty persistent cache: after the in-memory
+    # executables are dropped, the same program comes back from disk, not from XLA.
+    assert jax.config.jax_compilation_cache_dir
+    loads = []
+    jax.monitoring.register_event_listener(
+        lambda event, **_: loads.append(event) if event == CACHE_LOAD_EVENT else None)
+    salt = np.float32(np.random.default_rng().integers(1, 1_000_000))  # no other test's program
+    program = jax.jit(lambda x: x * salt + 3)
+    x = np.arange(3, dtype=np.float32)
+    with count_compilations() as compiled:
+        jax.block_until_ready(program(x))
+        assert compiled() == 1 and not loads  # built by XLA
+    jax.clear_caches()
+    with count_compilations() as compiled:
+        jax.block_until_ready(program(x))
+        assert loads and compiled() == 1  # loaded: still a compilation the step waited for

@@ -5,6 +5,7 @@ from flax import nnx
 import specjax
 from specjax import SamplingParams
 from specjax.engine.compile_counter import count_compilations
+from specjax.engine.engine import EngineConfig
 from specjax.models import Llama
 from specjax.models.dense_greedy import dense_greedy
 from tests.conftest import TINY
@@ -218,3 +219,24 @@ def test_plain_overlap_on_and_off_agree(tiny_model, tiny_llm, references):
     ref = references[tuple(PROMPTS[3])]
     assert ahead[3] == (ref[:ref.index(stop) + 1], "stop")
     assert engine.allocator.num_free_blocks == engine.allocator.total_blocks
+
+
+@pytest.mark.parametrize("sizes", [(), (2, 3), (1, 2), (2, 1, 4), (0, 4), (4, 4), [1, 4]])
+def test_batch_sizes_are_checked(sizes):
+    with pytest.raises(ValueError, match="batch_sizes must be increasing ints"):
+        EngineConfig(max_batch_size=4, batch_sizes=sizes)
+
+
+def test_one_batch_size_pads_every_batch_to_it(tiny_model, references):
+    llm = specjax.LLM(tiny_model, max_batch_size=4, batch_sizes=(4,), tokens_per_block=4,
+                      prefill_chunk=8, max_prefill_rows=1, num_kv_blocks=80, progress=False)
+    assert {b for b, _ in llm.engine.generation_shapes()} == {4}
+    outs = llm.generate(PROMPTS[:1], SamplingParams(max_tokens=12))   # one row, padded to 4
+    assert outs[0].token_ids == references[tuple(PROMPTS[0])]
+    with count_compilations() as compiled:   # three rows: the same shape, nothing new
+        outs = llm.generate([PROMPTS[0], PROMPTS[2], PROMPTS[4]], SamplingParams(max_tokens=12))
+        assert compiled() == 0
+    assert [o.token_ids for o in outs] == [references[tuple(p)] for p in
+                                           (PROMPTS[0], PROMPTS[2], PROMPTS[4])]
+    allocator = llm.engine.allocator
+    assert allocator.num_free_blocks == allocator.total_blocks

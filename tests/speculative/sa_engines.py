@@ -1,12 +1,11 @@
 """What the SA engine tests share (`test_suffix_engine.py`: SA alone, `test_sa_enhancer.py`: the
 enhancer): engines on the perm target, the enhanced configs of every in-step drafter, and the
 greedy check on prompts that repeat the target's own text (the `repetitive` fixture)."""
-import specjax
 from specjax import SamplingParams
 from specjax.engine.compile_counter import count_compilations
 from specjax.speculative.config import (DFlashConfig, DraftTargetConfig, EagleConfig, MTPConfig,
                                         PARDConfig, SAEnhancerConfig)
-from tests.spec_checks import truncated_copy
+from tests.spec_checks import spec_llm, truncated_copy
 from tests.speculative.perm_models import CFG, eagle_head, mtp_heads
 
 D = 4
@@ -15,9 +14,7 @@ MAX_TOKENS = 24
 
 def make_llm(target, spec, **kw):
     # One prompt chunk per prefill step: one prefill shape to compile per engine.
-    kw = {**dict(max_batch_size=4, tokens_per_block=4, prefill_chunk=8, max_prefill_rows=1,
-                 progress=False), **kw}
-    return specjax.LLM(target, speculative_config=spec, **kw)
+    return spec_llm(target, spec, **{"max_prefill_rows": 1, **kw})
 
 
 def full_pool(llm):

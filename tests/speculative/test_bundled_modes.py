@@ -11,7 +11,8 @@ from tests.spec_checks import assert_mixed_acceptance
 
 PROMPTS = ["def fibonacci(n):", "import os\n\n\ndef read_config(path):\n", "class Stack:\n"]
 PARAMS = SamplingParams(max_tokens=32)
-SIZES = dict(max_batch_size=2, prefill_chunk=32, max_model_len=128, progress=False)
+SIZES = dict(max_batch_size=2, batch_sizes=(2,), prefill_chunk=32, max_model_len=128,
+             progress=False)
 # Penalties count the drafts before each verified position; logprobs are the target's.
 OPTIONS = [SamplingParams(max_tokens=24, logprobs=3, presence_penalty=0.8),
            SamplingParams(max_tokens=24, logprobs=0, frequency_penalty=0.5,

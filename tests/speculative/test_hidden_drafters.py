@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 from flax import nnx
 
-import specjax
 from specjax import SamplingParams
 from specjax.engine.compile_counter import count_compilations
 from specjax.engine.hidden_states import load_hidden_states
@@ -20,7 +19,7 @@ from specjax.models.llama import dense_attention
 from specjax.models.mtp_head import MTPHeads
 from specjax.speculative.config import EagleConfig, MTPConfig, SaveHiddenStatesConfig
 from tests.conftest import TINY
-from tests.spec_checks import assert_mixed_acceptance
+from tests.spec_checks import assert_mixed_acceptance, spec_llm
 from tests.speculative.perm_models import CFG, LAYERS, MAX_TOKENS, PROMPTS, eagle_head, mtp_heads
 
 
@@ -34,9 +33,7 @@ MODES = {
 }
 
 
-def _llm(target, spec, **kw):
-    kw = {**dict(max_batch_size=4, tokens_per_block=4, prefill_chunk=8, progress=False), **kw}
-    return specjax.LLM(target, speculative_config=spec, **kw)
+_llm = spec_llm
 
 
 def _full_pool(llm):

@@ -14,14 +14,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
-import specjax
 from specjax import SamplingParams
 from specjax.engine.compile_counter import count_compilations
 from specjax.models import DFlashHead, DFlashHeadConfig, Llama, load_dflash_head, save_dflash_head
 from specjax.models.pard_checkpoint import read_mask_token, save_pard_model
 from specjax.speculative.config import DFlashConfig, PARDConfig, SpeculativeConfig
 from specjax.train.heads.parallel import dflash_logits, pard_logits
-from tests.spec_checks import assert_mixed_acceptance, join_mid_run
+from tests.spec_checks import assert_mixed_acceptance, join_mid_run, spec_llm
 from tests.speculative.perm_models import (CFG, LAYERS, MAX_TOKENS, PROMPTS,
                                            trained_parallel_drafter)
 
@@ -29,9 +28,7 @@ V = CFG.vocab_size
 D = 3
 
 
-def _llm(target, spec, **kw):
-    kw = {**dict(max_batch_size=4, tokens_per_block=4, prefill_chunk=8, progress=False), **kw}
-    return specjax.LLM(target, speculative_config=spec, **kw)
+_llm = spec_llm
 
 
 def _full_pool(llm):

@@ -23,7 +23,7 @@ from specjax.models.llama import dense_attention
 from specjax.speculative import workers
 from specjax.speculative.config import EagleConfig, MTPConfig, SpeculativeConfig
 from specjax.speculative.workers.tree import grow_tree
-from tests.spec_checks import assert_mixed_acceptance, join_mid_run
+from tests.spec_checks import assert_mixed_acceptance, join_mid_run, spec_llm
 from tests.speculative import perm_models
 from tests.speculative.perm_models import CFG, LAYERS, MAX_TOKENS, PROMPTS
 
@@ -35,9 +35,7 @@ def tree_config(head, K=2, D=3, T=6, **kw):
                        max_total_draft_tokens=T, speculative_model=head, **kw)
 
 
-def _llm(target, spec, **kw):
-    kw = {**dict(max_batch_size=4, tokens_per_block=4, prefill_chunk=8, progress=False), **kw}
-    return specjax.LLM(target, speculative_config=spec, **kw)
+_llm = spec_llm
 
 
 def _full_pool(llm):
