@@ -27,11 +27,12 @@ class LLM:
 
     Compilation: each step shape (batch bucket x run width) compiles the first time a batch
     needs it (the buckets: `batch_sizes`, default 1, 2, 4, ... and `max_batch_size`; a batch
-    runs padded to the smallest that holds it), so a few prompts pay only for the shapes they use; `warmup=True` (or
-    `llm.warmup()`) compiles every shape serving can use at once, after which generating
-    never compiles (the server does this). Compiled steps persist in JAX's compilation cache
-    (`specjax.engine.compile_cache`: `~/.cache/specjax/jax`, `SPECJAX_COMPILATION_CACHE=off`
-    turns it off), so the next start with the same model and sizes loads them from disk.
+    runs padded to the smallest that holds it), so a few prompts pay only for the shapes they
+    use; `warmup=True` (or `llm.warmup()`) compiles every shape serving can use at once, after
+    which generating never compiles (the server does this). Compiled steps persist in JAX's
+    compilation cache (`specjax.engine.compile_cache`: `~/.cache/specjax/jax`,
+    `SPECJAX_COMPILATION_CACHE=off` turns it off), so the next start with the same model and
+    sizes loads them from disk.
     """
 
     def __init__(self, model: str | os.PathLike | Llama = "bundled", *,

@@ -83,8 +83,8 @@ class EngineConfig:
                 not isinstance(sizes, tuple) or not sizes
                 or not all(isinstance(b, int) and 1 <= b <= self.max_batch_size for b in sizes)
                 or list(sizes) != sorted(set(sizes)) or sizes[-1] != self.max_batch_size):
-            raise ValueError(f"batch_sizes must be increasing ints from 1 up to and ending at "
-                             f"max_batch_size ({self.max_batch_size}), got {sizes!r}")
+            raise ValueError(f"batch_sizes must be increasing ints in 1..max_batch_size, ending "
+                             f"at max_batch_size ({self.max_batch_size}); got {sizes!r}")
 
     @property
     def decode_buckets(self) -> tuple[int, ...]:

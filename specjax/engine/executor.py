@@ -43,8 +43,9 @@ def bucket(n: int, buckets: tuple[int, ...]) -> int:
 class Executor:
     def __init__(self, graphdef, params: Params, make_state: Callable[[], EngineState],
                  allocator: BlockAllocator, *, worker: DraftWorker | None,
-                 save_layers: tuple[int, ...], blocks_per_seq: int, decode_buckets: tuple[int, ...],
-                 prefill_chunk: int, max_prefill_rows: int, suffix: SuffixSpec | None = None):
+                 save_layers: tuple[int, ...], blocks_per_seq: int,
+                 decode_buckets: tuple[int, ...], prefill_chunk: int, max_prefill_rows: int,
+                 suffix: SuffixSpec | None = None):
         # Everything the steps take lives on one device, committed: a jitted step's signature
         # includes whether each argument is committed, so a mix (a head trained in the same
         # process is committed, a loaded one is not) would compile again after warm-up.
