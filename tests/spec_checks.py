@@ -16,7 +16,6 @@ from specjax.sampling_params import SamplingParams
 from specjax.models import Llama
 
 
-
 def spec_llm(target, spec, **kw) -> specjax.LLM:
     """A small engine for a drafter's tests. One batch bucket: a drafter's step does not
     depend on it (tests/engine and test_spec_engine.py run every bucket), and warm-up compiles
@@ -24,6 +23,7 @@ def spec_llm(target, spec, **kw) -> specjax.LLM:
     kw = {**dict(max_batch_size=4, tokens_per_block=4, prefill_chunk=8, progress=False), **kw}
     kw.setdefault("batch_sizes", (kw["max_batch_size"],))
     return specjax.LLM(target, speculative_config=spec, **kw)
+
 
 def assert_full_depth(stats: EngineStats, max_draft_len: int) -> None:
     """The histograms agree with the totals, and some request-step verified `max_draft_len`

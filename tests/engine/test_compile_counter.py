@@ -42,8 +42,15 @@ def test_a_program_loaded_from_the_persistent_cache_counts():
     # executables are dropped, the same program comes back from disk, not from XLA.
     assert jax.config.jax_compilation_cache_dir
     loads = []
-    jax.monitoring.register_event_listener(
-        lambda event, **_: loads.append(event) if event == CACHE_LOAD_EVENT else None)
+    listener = lambda event, **_: loads.append(event) if event == CACHE_LOAD_EVENT else None
+    jax.monitoring.register_event_listener(listener)
+    try:
+        _build_drop_and_load(loads)
+    finally:
+        jax.monitoring.unregister_event_listener(listener)
+
+
+def _build_drop_and_load(loads):
     salt = np.float32(np.random.default_rng().integers(1, 1_000_000))  # no other test's program
     program = jax.jit(lambda x: x * salt + 3)
     x = np.arange(3, dtype=np.float32)

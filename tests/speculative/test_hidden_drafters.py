@@ -33,8 +33,6 @@ MODES = {
 }
 
 
-_llm = spec_llm
-
 
 def _full_pool(llm):
     return llm.engine.allocator.num_free_blocks == llm.engine.allocator.total_blocks
@@ -44,8 +42,8 @@ def _full_pool(llm):
 @pytest.mark.parametrize("max_batch_size", [1, 4])
 def test_greedy_output_equals_plain_decoding(perm_target, refs, mode, max_batch_size):
     target, perm = perm_target
-    llm = _llm(target, MODES[mode](target, perm, 3), max_batch_size=max_batch_size,
-               warmup=True)
+    llm = spec_llm(target, MODES[mode](target, perm, 3), max_batch_size=max_batch_size,
+                   warmup=True)
     with count_compilations() as compiled:
         outs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS))
         assert compiled() == 0  # warm-up compiled every shape serving uses
@@ -63,7 +61,7 @@ def test_mtp_acceptance_is_exactly_the_oracle_count(perm_target, refs, mode):
     in total -- a wrong token shift or hidden-state hand-off in any module shows here."""
     target, perm = perm_target
     D = 3
-    llm = _llm(target, MODES[mode](target, perm, D))
+    llm = spec_llm(target, MODES[mode](target, perm, D))
     llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS))
     accepted = drafted = 0
     verified_hist, accepted_hist = np.zeros(D + 1, int), np.zeros(D + 1, int)
@@ -102,8 +100,8 @@ def test_eagle3_drafts_equal_a_dense_reference(perm_target):
     target, perm = perm_target
     head = Eagle3Head(Eagle3HeadConfig.for_target(CFG), nnx.Rngs(5))  # random: no ties
     D = 3
-    llm = _llm(target, EagleConfig(max_draft_len=D, speculative_model=head),
-               overlap_scheduler=False, max_batch_size=1)
+    llm = spec_llm(target, EagleConfig(max_draft_len=D, speculative_model=head),
+                   overlap_scheduler=False, max_batch_size=1)
     engine = llm.engine
     prompt = PROMPTS[1]
     rid = engine.add_request(prompt, SamplingParams(max_tokens=10))
@@ -139,7 +137,7 @@ def test_rejection_sampling_mode_keeps_greedy_rows_exact(perm_target, refs):
     target, perm = perm_target
     spec = EagleConfig(max_draft_len=3, speculative_model=eagle_head(target, perm),
                        use_rejection_sampling=True)
-    llm = _llm(target, spec)
+    llm = spec_llm(target, spec)
     params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=t, seed=i)
               for i, t in enumerate([0, 1.0, 0, 0.7, 0])]
     outs = llm.generate(PROMPTS, params)
@@ -158,7 +156,7 @@ def test_default_capture_layers_refused_for_shallow_targets():
     shallow = Llama(TINY.replace(num_layers=5), rngs=nnx.Rngs(0))
     head = Eagle3Head(Eagle3HeadConfig.for_target(shallow.config), nnx.Rngs(1))
     with pytest.raises(ValueError, match="5 layers"):
-        _llm(shallow, EagleConfig(max_draft_len=2, speculative_model=head), warmup=False)
+        spec_llm(shallow, EagleConfig(max_draft_len=2, speculative_model=head), warmup=False)
 
 
 def test_capture_layer_outside_the_target_is_named(perm_target):
@@ -166,7 +164,7 @@ def test_capture_layer_outside_the_target_is_named(perm_target):
     spec = EagleConfig(max_draft_len=2, speculative_model=eagle_head(target, perm),
                        eagle3_layers_to_capture=(1, 3, 8))
     with pytest.raises(ValueError, match=r"layer\(s\) \[8\] outside the target's 8 layers"):
-        _llm(target, spec, warmup=False)
+        spec_llm(target, spec, warmup=False)
 
 
 def test_head_for_another_target_is_refused(perm_target):
@@ -174,19 +172,19 @@ def test_head_for_another_target_is_refused(perm_target):
     wide = Eagle3Head(Eagle3HeadConfig.for_target(CFG.replace(hidden_size=48, head_dim=12)),
                       nnx.Rngs(1))
     with pytest.raises(ValueError, match="hidden_size 48 but the target's is 32"):
-        _llm(target, EagleConfig(max_draft_len=2, speculative_model=wide), warmup=False)
+        spec_llm(target, EagleConfig(max_draft_len=2, speculative_model=wide), warmup=False)
     other_vocab = MTPHeads(CFG.replace(vocab_size=80), 1, nnx.Rngs(1))
     with pytest.raises(ValueError, match="vocab_size 80 but the target's is 64"):
-        _llm(target, MTPConfig(max_draft_len=2, speculative_model=other_vocab), warmup=False)
+        spec_llm(target, MTPConfig(max_draft_len=2, speculative_model=other_vocab), warmup=False)
 
 
 def test_missing_head_and_too_few_modules_are_named(perm_target):
     target, _ = perm_target
     with pytest.raises(ValueError, match="EagleConfig needs speculative_model"):
-        _llm(target, EagleConfig(max_draft_len=2), warmup=False)
+        spec_llm(target, EagleConfig(max_draft_len=2), warmup=False)
     spec = MTPConfig(max_draft_len=3, num_nextn_predict_layers=3, speculative_model=mtp_heads(2))
     with pytest.raises(ValueError, match="needs that many modules; the heads have 2"):
-        _llm(target, spec, warmup=False)
+        spec_llm(target, spec, warmup=False)
 
 
 # ---- SAVE_HIDDEN_STATES ------------------------------------------------------------------
@@ -196,7 +194,7 @@ def test_save_hidden_states_writes_the_target_residual_streams(perm_target, refs
     layers = (1, 3, 4, 7)
     spec = SaveHiddenStatesConfig(output_directory=tmp_path, write_interval=3,
                                   file_prefix="run")
-    llm = _llm(target, spec, max_batch_size=2)
+    llm = spec_llm(target, spec, max_batch_size=2)
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS))
     for prompt, out in zip(PROMPTS, outs):
         assert out.token_ids == refs[tuple(prompt)]  # the target runs exactly as plain decoding
@@ -226,8 +224,9 @@ def test_capture_layers_come_from_the_config_then_the_head_then_the_default(perm
     head = eagle_head(target, perm)
     trained_on = Eagle3Head(head.config.replace(aux_hidden_state_layers=(2, 5, 7)), nnx.Rngs(3))
     assert Eagle3HeadConfig.from_hf_dict(trained_on.config.to_hf_dict()) == trained_on.config
-    layers = lambda h, **kw: _llm(target, EagleConfig(max_draft_len=2, speculative_model=h, **kw),
-                                  warmup=False).engine.worker.capture_layers
+    layers = lambda h, **kw: spec_llm(
+        target, EagleConfig(max_draft_len=2, speculative_model=h, **kw),
+        warmup=False).engine.worker.capture_layers
     assert layers(head) == LAYERS                      # nothing recorded: (1, L//2-1, L-4)
     assert layers(trained_on) == (2, 5, 7)             # what the head was trained on
     assert layers(trained_on, eagle3_layers_to_capture=(0, 1, 2)) == (0, 1, 2)

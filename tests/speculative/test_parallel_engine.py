@@ -28,8 +28,6 @@ V = CFG.vocab_size
 D = 3
 
 
-_llm = spec_llm
-
 
 def _full_pool(llm):
     return llm.engine.allocator.num_free_blocks == llm.engine.allocator.total_blocks
@@ -59,8 +57,8 @@ def llms(perm_target, drafters):
 
     def get(kind):
         if kind not in cache:
-            cache[kind] = _llm(target, _config(kind, drafters[kind],
-                                               use_rejection_sampling=False), warmup=True)
+            cache[kind] = spec_llm(target, _config(kind, drafters[kind],
+                                                   use_rejection_sampling=False), warmup=True)
         return cache[kind]
 
     yield get
@@ -97,7 +95,7 @@ def test_schedule_moves_the_draft_length_as_requests_finish(perm_target, drafter
     """Batch 4 with the schedule {1: 3, 2: 2, 4: 0}: no drafts while 4 run (the worker only
     catches up), 2 for 2-3, 3 for the last; output stays plain greedy's."""
     target, _ = perm_target
-    llm = _llm(target, _config(kind, drafters[kind], draft_len_schedule={1: 3, 2: 2, 4: 0}))
+    llm = spec_llm(target, _config(kind, drafters[kind], draft_len_schedule={1: 3, 2: 2, 4: 0}))
     lengths = [6, 10, 14, MAX_TOKENS]
     outs = llm.generate(PROMPTS[:4], [SamplingParams(max_tokens=n) for n in lengths])
     for prompt, n, out in zip(PROMPTS, lengths, outs):
@@ -114,7 +112,7 @@ SAMPLED = [SamplingParams(max_tokens=16, temperature=0.7, seed=s) for s in range
 
 @pytest.fixture(scope="module")
 def plain_sampled(perm_target):
-    return [o.token_ids for o in _llm(perm_target[0], None).generate(PROMPTS[:4], SAMPLED)]
+    return [o.token_ids for o in spec_llm(perm_target[0], None).generate(PROMPTS[:4], SAMPLED)]
 
 
 @pytest.mark.parametrize("kind", ["pard", "dflash"])
@@ -180,7 +178,7 @@ def test_pard_folder_names_its_mask_token(perm_target, drafters, tmp_path):
     target, _ = perm_target
     save_pard_model(drafters["pard"], tmp_path / "p", V)
     assert read_mask_token(tmp_path / "p") == V
-    llm = _llm(target, PARDConfig(max_draft_len=D, speculative_model=str(tmp_path / "p")))
+    llm = spec_llm(target, PARDConfig(max_draft_len=D, speculative_model=str(tmp_path / "p")))
     assert llm.engine.speculation.config.mask_token_id == V
     round_trip = SpeculativeConfig.from_json(llm.engine.speculation.config.to_json())
     assert round_trip == llm.engine.speculation.config
@@ -191,25 +189,25 @@ def test_config_errors_are_named(perm_target, drafters):
     with pytest.raises(ValueError, match="speculative_model"):
         PARDConfig(max_draft_len=3)
     with pytest.raises(ValueError, match="mask_token_id"):
-        _llm(target, PARDConfig(max_draft_len=3, speculative_model=drafters["pard"]))
+        spec_llm(target, PARDConfig(max_draft_len=3, speculative_model=drafters["pard"]))
     with pytest.raises(ValueError, match="mask_token_id"):
         PARDConfig(max_draft_len=3, speculative_model=drafters["pard"], mask_token_id=-1)
     with pytest.raises(ValueError, match="outside the PARD model's vocabulary"):
-        _llm(target, PARDConfig(max_draft_len=3, speculative_model=drafters["pard"],
-                                mask_token_id=V + 1))
+        spec_llm(target, PARDConfig(max_draft_len=3, speculative_model=drafters["pard"],
+                                    mask_token_id=V + 1))
     small = Llama(CFG.replace(vocab_size=V - 1), rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="smaller than the target's"):
-        _llm(target, PARDConfig(max_draft_len=3, speculative_model=small, mask_token_id=0))
+        spec_llm(target, PARDConfig(max_draft_len=3, speculative_model=small, mask_token_id=0))
     with pytest.raises(ValueError, match="differ from the layers the drafter was trained on"):
-        _llm(target, DFlashConfig(max_draft_len=3, speculative_model=drafters["dflash"],
-                                  target_layer_ids=(0, 1)))
+        spec_llm(target, DFlashConfig(max_draft_len=3, speculative_model=drafters["dflash"],
+                                      target_layer_ids=(0, 1)))
     other = DFlashHead(DFlashHeadConfig.for_target(CFG.replace(hidden_size=64, head_dim=16), 1,
                                                    (1,), 3), rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="hidden_size"):
-        _llm(target, DFlashConfig(max_draft_len=3, speculative_model=other))
+        spec_llm(target, DFlashConfig(max_draft_len=3, speculative_model=other))
     with pytest.raises(ValueError, match="mask_token_id"):
-        _llm(target, DFlashConfig(max_draft_len=3, speculative_model=drafters["dflash"],
-                                  mask_token_id=V + 1))
+        spec_llm(target, DFlashConfig(max_draft_len=3, speculative_model=drafters["dflash"],
+                                      mask_token_id=V + 1))
 
 
 def test_modes_are_parallel_drafts():

@@ -35,8 +35,6 @@ def tree_config(head, K=2, D=3, T=6, **kw):
                        max_total_draft_tokens=T, speculative_model=head, **kw)
 
 
-_llm = spec_llm
-
 
 def _full_pool(llm):
     return llm.engine.allocator.num_free_blocks == llm.engine.allocator.total_blocks
@@ -83,8 +81,8 @@ def tree_llm(perm_target):
     target, perm = perm_target
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(workers, "Eagle3Worker", table_worker(perm_table(perm)))
-        llm = _llm(target, tree_config(perm_models.eagle_head(target, perm), K=3, D=4, T=10),
-                   warmup=True)
+        llm = spec_llm(target, tree_config(perm_models.eagle_head(target, perm), K=3, D=4, T=10),
+                       warmup=True)
     yield llm
     assert _full_pool(llm)
 
@@ -126,7 +124,7 @@ def test_greedy_tree_with_requests_joining_mid_run(tree_llm, refs):
 def test_mtp_eagle_tree_reuses_its_module_at_every_depth(perm_target, refs):
     """MTP-Eagle's one hand-built module (it predicts perm(token)) drafts the tree."""
     target, _ = perm_target
-    llm = _llm(target, MTP_EAGLE_TREE())
+    llm = spec_llm(target, MTP_EAGLE_TREE())
     join_mid_run(llm, PROMPTS, refs, MAX_TOKENS)
     assert_mixed_acceptance(llm.stats, 3)
 
@@ -140,7 +138,7 @@ def test_greedy_tree_on_a_random_tiny_model():
     head.lm_head.value = head.lm_head[...] * 40  # peaked: the best nodes lie deep
     spec = tree_config(head, K=4, D=3, T=9, draft_len_schedule={1: 3, 2: 2, 4: 0},
                        eagle3_layers_to_capture=(0, 1, 2))
-    llm = _llm(target, spec)
+    llm = spec_llm(target, spec)
     prompts = [[5, 9, 2], [11] * 7, [60, 1], [3, 3, 8, 40, 22]]
     lengths = [6, 10, 14, 30]
     outs = llm.generate(prompts, [SamplingParams(max_tokens=n) for n in lengths])
@@ -164,8 +162,8 @@ def test_tree_equals_the_head_run_densely(perm_target):
     # Peaked distributions, so that the best nodes lie deep, where ancestors' rows matter.
     head.lm_head.value = head.lm_head[...] * 40
     K, D, T = 3, 3, 8
-    llm = _llm(target, tree_config(head, K=K, D=D, T=T), overlap_scheduler=False,
-               max_batch_size=1)
+    llm = spec_llm(target, tree_config(head, K=K, D=D, T=T), overlap_scheduler=False,
+                   max_batch_size=1)
     engine = llm.engine
     rid = engine.add_request(PROMPTS[1], SamplingParams(max_tokens=10))
     request = engine.requests[rid]
@@ -239,8 +237,8 @@ def test_hand_built_tree_accepts_its_known_path_and_relocates_its_kv(perm_target
     table_head(np.log(table))
     # Tree by score: x .5, g1 .4, g2 .32, p .25, q .225, z .16 -> rows in candidate order:
     # 1 x, 2 g1, 3 p, 4 q, 5 g2, 6 z.
-    llm = _llm(target, tree_config(perm_models.eagle_head(target, perm), K=2, D=3, T=6),
-               overlap_scheduler=False, max_batch_size=1)
+    llm = spec_llm(target, tree_config(perm_models.eagle_head(target, perm), K=2, D=3, T=6),
+                   overlap_scheduler=False, max_batch_size=1)
     engine = llm.engine
     rid = engine.add_request(prompt, SamplingParams(max_tokens=12))
     request = engine.requests[rid]
@@ -332,4 +330,4 @@ def test_top_k_wider_than_the_draft_vocabulary_is_refused(perm_target):
     head = Eagle3Head(Eagle3HeadConfig.for_target(CFG, draft_vocab_size=4), nnx.Rngs(1))
     with pytest.raises(ValueError, match=r"dynamic_tree_max_topK \(5\) exceeds the drafter's "
                                          r"vocabulary \(4 tokens\)"):
-        _llm(target, tree_config(head, K=5, D=2, T=6))
+        spec_llm(target, tree_config(head, K=5, D=2, T=6))
