@@ -4,9 +4,11 @@ from __future__ import annotations
 import os
 from typing import Sequence
 
+import jax
+from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
-from specjax.engine import compile_cache
+from specjax.engine import compile_cache, distributed
 from specjax.engine.engine import Engine, EngineConfig
 from specjax.engine.request import RequestOutput
 from specjax.models import Llama, load_hf_checkpoint
@@ -33,6 +35,16 @@ class LLM:
     compilation cache (`specjax.engine.compile_cache`: `~/.cache/specjax/jax`,
     `SPECJAX_COMPILATION_CACHE=off` turns it off), so the next start with the same model and
     sizes loads them from disk.
+
+    Tensor parallelism: `tensor_parallel_size=N` splits the target over the first N devices
+    (Megatron-style: heads, MLP columns then rows, vocabulary; the KV pool by KV heads), or
+    pass `mesh`, a `jax.sharding.Mesh` with a "tp" axis. Output is the same tokens as on one
+    device (`specjax.core.sharding`).
+
+    Several processes (hosts): give each the same arguments plus `coordinator_address`
+    (process 0's HOST:PORT), `num_processes` and its `process_id`; the mesh then spans every
+    process's devices. Process 0 generates; the others call `follow()`, which returns when
+    process 0 calls `close()` or exits (`specjax.engine.distributed`).
     """
 
     def __init__(self, model: str | os.PathLike | Llama = "bundled", *,
@@ -43,14 +55,26 @@ class LLM:
                  prefill_chunk: int = 64, max_prefill_rows: int = 2, seed: int | None = None,
                  speculative_config: SpeculativeConfig | None = None,
                  overlap_scheduler: bool = True, enable_prefix_cache: bool = True,
-                 warmup: bool = False, progress: bool = True):
+                 tensor_parallel_size: int | None = None, mesh: Mesh | None = None,
+                 coordinator_address: str | None = None, num_processes: int = 1,
+                 process_id: int = 0, warmup: bool = False, progress: bool = True):
+        if (num_processes != 1 or coordinator_address is not None) \
+                and not distributed.initialized():
+            distributed.initialize(coordinator_address, num_processes, process_id)
+            # Process 0 drives every device update, warm-up included (`follow`).
+            warmup = warmup and distributed.is_leader()
+        if tensor_parallel_size is None:  # several processes: one mesh over all devices
+            tensor_parallel_size = jax.device_count() if num_processes > 1 and mesh is None \
+                else 1
         compile_cache.enable()
         config = EngineConfig(max_batch_size=max_batch_size, max_model_len=max_model_len,
                               batch_sizes=None if batch_sizes is None else tuple(batch_sizes),
                               tokens_per_block=tokens_per_block, num_kv_blocks=num_kv_blocks,
                               prefill_chunk=prefill_chunk, max_prefill_rows=max_prefill_rows,
                               overlap_scheduler=overlap_scheduler,
-                              enable_prefix_cache=enable_prefix_cache)
+                              enable_prefix_cache=enable_prefix_cache,
+                              tensor_parallel_size=tensor_parallel_size, mesh=mesh)
+        config.tensor_parallel()  # a size without as many devices is refused before loading
         if isinstance(model, Llama):
             self.model_path = None
         else:
@@ -70,6 +94,16 @@ class LLM:
         self.progress = progress
         if warmup:
             self.warmup()
+
+    def follow(self) -> None:
+        """On processes 1.. of a multi-process job: run process 0's steps on this process's
+        devices until process 0 stops (`specjax.engine.distributed`)."""
+        self.engine.executor.follow()
+
+    def close(self) -> None:
+        """On process 0 of a multi-process job: let the other processes stop (also done at
+        exit). Nothing to do on one process."""
+        self.engine.executor.close()
 
     def warmup(self, progress: bool | None = None) -> None:
         """Compile every step shape serving can use now (or load it from the compilation

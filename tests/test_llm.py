@@ -62,3 +62,11 @@ def test_outputs_in_prompt_order_with_stats(tiny_llm):
     assert [o.prompt_token_ids for o in outs] == [[1, 2, 3], [5]]
     assert outs[0].stats.decoding_iterations == 4
     assert outs[0].stats.first_token_time <= outs[0].stats.finish_time
+
+
+def test_follow_and_close_belong_to_multi_process_jobs(tiny_llm):
+    """One process: nothing to follow (an error naming it), nothing to close (a no-op)."""
+    with pytest.raises(RuntimeError, match="follow\\(\\) is for processes other than 0"):
+        tiny_llm.follow()
+    tiny_llm.close()
+    assert tiny_llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2))[0].finish_reason == "length"

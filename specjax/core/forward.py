@@ -9,10 +9,13 @@ from typing import Callable, Sequence, TypeVar
 import jax
 import jax.numpy as jnp
 
+from jax.sharding import PartitionSpec as P
+
 from pallas_kernels.kv_gather import gather_kv_pages
 from pallas_kernels.paged_attention import paged_attention
 from specjax.core.batch import StepBatch
 from specjax.core.kv import NULL_BLOCK, KVPool
+from specjax.core.sharding import HEADS, POOL, heads_local
 from specjax.core.tree import TreeLayout
 from specjax.models.llama import NO_WINDOW, Llama, layer_windows
 
@@ -88,14 +91,19 @@ class PagedAttention:
         self.blocks, self.offsets = kv_destinations(batch, tokens_per_block)
 
     def write(self, k: jax.Array, v: jax.Array, layer, pool: KVPool) -> KVPool:
-        return KVPool(k=pool.k.at[layer, self.blocks, self.offsets].set(k.astype(pool.k.dtype)),
-                      v=pool.v.at[layer, self.blocks, self.offsets].set(v.astype(pool.v.dtype)))
+        return pool.replace(
+            k=pool.k.at[layer, self.blocks, self.offsets].set(k.astype(pool.k.dtype)),
+            v=pool.v.at[layer, self.blocks, self.offsets].set(v.astype(pool.v.dtype)))
 
     def read(self, q: jax.Array, layer, pool: KVPool) -> jax.Array:
         window = NO_WINDOW if self.windows is None else self.windows[layer]
+        # The window and the tree mask are the same on every device: closed over, replicated.
+        attend = heads_local(
+            lambda q, k, v, tables, positions, lens: paged_attention(
+                q, k, v, layer, tables, positions, lens, window, self.tree_mask),
+            pool.mesh, (HEADS, POOL, POOL, P(), P(), P()), HEADS)
         out = with_narrowest_table(
-            lambda tables: paged_attention(q, pool.k, pool.v, layer, tables, self.positions,
-                                           self.context_lens, window, self.tree_mask),
+            lambda tables: attend(q, pool.k, pool.v, tables, self.positions, self.context_lens),
             self.batch.block_tables, self.visible_lens, self.tokens_per_block)
         return out.astype(q.dtype)
 
@@ -112,8 +120,9 @@ def gather_context(pool: KVPool, layer: int, block_tables: jax.Array, context_le
     B, M = block_tables.shape
     S = M * pool.tokens_per_block
     positions = jnp.broadcast_to(jnp.arange(S), (B, S))
-    return (gather_kv_pages(pool.k, layer, block_tables),
-            gather_kv_pages(pool.v, layer, block_tables),
+    gather = heads_local(lambda pages, tables: gather_kv_pages(pages, layer, tables),
+                         pool.mesh, (POOL, P()), HEADS)
+    return (gather(pool.k, block_tables), gather(pool.v, block_tables),
             positions, positions < context_lens[:, None])
 
 

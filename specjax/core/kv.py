@@ -11,6 +11,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import struct
+from jax.sharding import Mesh
 
 NULL_BLOCK = 0
 
@@ -19,6 +20,10 @@ NULL_BLOCK = 0
 class KVPool:
     k: jax.Array  # [L, num_blocks, tokens_per_block, KV, hd]
     v: jax.Array  # [L, num_blocks, tokens_per_block, KV, hd]
+    # With tensor parallelism, the mesh whose "tp" axis splits the KV heads (the target's
+    # pool); None: one device, or replicated (drafters' pools). Static: attention over a
+    # split pool runs per device (`specjax.core.sharding.heads_local`).
+    mesh: Mesh | None = struct.field(pytree_node=False, default=None)
 
     @property
     def num_blocks(self) -> int:
@@ -30,7 +35,9 @@ class KVPool:
 
 
 def make_kv_pool(num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int,
-                 tokens_per_block: int, dtype) -> KVPool:
-    """A zeroed pool of `num_layers` attention layers (the target's, or a drafter's)."""
+                 tokens_per_block: int, dtype, mesh: Mesh | None = None) -> KVPool:
+    """A zeroed pool of `num_layers` attention layers (the target's, or a drafter's); `mesh`:
+    its KV heads split over the mesh's "tp" axis."""
     shape = (num_layers, num_blocks, tokens_per_block, num_kv_heads, head_dim)
-    return KVPool(k=jnp.zeros(shape, jnp.dtype(dtype)), v=jnp.zeros(shape, jnp.dtype(dtype)))
+    return KVPool(k=jnp.zeros(shape, jnp.dtype(dtype)), v=jnp.zeros(shape, jnp.dtype(dtype)),
+                  mesh=mesh)

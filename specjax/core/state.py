@@ -11,6 +11,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx, struct
+from jax.sharding import Mesh
 
 from specjax.core.kv import KVPool, make_kv_pool
 from specjax.core.penalties import PenaltyState, make_penalty_state
@@ -107,12 +108,13 @@ class EngineState:
     penalties: PenaltyState | None = None  # per-slot token counts for the penalties
 
 
-def split_model(target: Llama, draft: nnx.Module | None = None
+def split_model(target: Llama, draft: nnx.Module | None = None, fused: bool = True
                 ) -> tuple[nnx.GraphDef, Params]:
     """(the target's graph definition, `Params`) for the step functions, in the layout the
     steps run (`for_inference`: unstacked layers, so a decode step reads each layer's weights
-    in place; q/k/v and gate/up fused)."""
-    target = target.for_inference()
+    in place; q/k/v and gate/up fused). `fused=False` keeps the target's projections apart:
+    what tensor parallelism splits (a fused matrix's columns would not split by heads)."""
+    target = target.for_inference() if fused else target.unstacked()
     if draft is not None:
         draft = draft.for_inference()
     graphdef, state = nnx.split(target)
@@ -123,7 +125,8 @@ def split_model(target: Llama, draft: nnx.Module | None = None
 
 def init_state(config: ModelConfig, *, num_slots: int, num_blocks: int, tokens_per_block: int,
                max_draft_len: int = 0, worker: DraftWorker | None = None,
-               suffix: SuffixSpec | None = None, history_len: int = 0) -> EngineState:
+               suffix: SuffixSpec | None = None, history_len: int = 0,
+               mesh: Mesh | None = None) -> EngineState:
     """Zeroed device state for a target with `config`: its pool, slot state
     for `num_slots` requests and drafts up to `max_draft_len` (a tree worker's: nodes), the
     worker's pool, and with SA (`suffix`) a token history of `history_len` (the longest
@@ -135,7 +138,7 @@ def init_state(config: ModelConfig, *, num_slots: int, num_blocks: int, tokens_p
         raise ValueError("SA needs history_len: the longest request's tokens (max_model_len)")
     return EngineState(
         target=make_kv_pool(config.num_layers, config.num_kv_heads, config.head_dim, num_blocks,
-                            tokens_per_block, config.dtype),
+                            tokens_per_block, config.dtype, mesh),
         slots=make_slot_state(num_slots, max_draft_len, config.vocab_size if keep_probs else 0,
                               tree, strict=keep_probs and suffix is not None),
         draft=None if worker is None else worker.make_kv(num_blocks, tokens_per_block,

@@ -33,10 +33,22 @@ from specjax.core.forward import last_rows, paged_forward
 from specjax.core.logits import apply_bias, maybe_logprobs
 from specjax.core.penalties import chain_context, penalize, record_generated, tree_context
 from specjax.core.sampling import sample, sampling_keys
+from specjax.core.sharding import TensorParallel
 from specjax.core.state import EngineState, Params, SlotState, write_slots
 from specjax.core.suffix import SuffixSpec, SuffixState, prefer, propose, record, retire
 from specjax.core.tree import relocate_path, tree_accept, tree_layout
 from specjax.core.worker import DraftWorker, tree_of
+
+
+def _jit(step, tp: TensorParallel | None):
+    """The step jitted with its state donated; with `tp`, its outputs pinned to the shardings
+    its inputs came in with (`TensorParallel.pin`), so the next call does not compile."""
+    if tp is None:
+        return jax.jit(step, donate_argnums=(1,))
+
+    def on_mesh(params: Params, state: EngineState, batch: StepBatch):
+        return tp.pin(*step(params, state, batch))
+    return jax.jit(on_mesh, donate_argnums=(1,))
 
 
 def runs_on_device(worker: DraftWorker | None, draft_len: int,
@@ -81,13 +93,14 @@ def record_prompt_chunk(history: SuffixState, batch: StepBatch, following: jax.A
 
 @functools.lru_cache(maxsize=None)  # engines over one model share compiled steps
 def make_prefill_step(graphdef: nnx.GraphDef, worker: DraftWorker | None = None,
-                      save_layers: tuple[int, ...] = (), suffix: SuffixSpec | None = None):
+                      save_layers: tuple[int, ...] = (), suffix: SuffixSpec | None = None,
+                      tp: TensorParallel | None = None):
     """The jitted prompt-chunk step for targets of this graph definition. Each row's run is a
     chunk of its prompt; the output is the token sampled after each row's run (meaningful for
     rows whose run ends the prompt). An in-step drafter processes the same runs, so its pool
     stays level with the target's, and may draft after a prompt's last chunk; SA records the
     chunk and drafts there too. With `save_layers` the output carries the residual streams
-    after those layers."""
+    after those layers. With `tp`, the step runs on its mesh (`specjax.core.sharding`)."""
     capture = _capture_layers(worker, save_layers)
 
     def prefill(params: Params, state: EngineState, batch: StepBatch
@@ -144,20 +157,20 @@ def make_prefill_step(graphdef: nnx.GraphDef, worker: DraftWorker | None = None,
                 PrefillOutput(tokens=tokens, hidden_states=captured if save_layers else None,
                               logprobs=logprobs, prompt_logprobs=prompt_logprobs))
 
-    return jax.jit(prefill, donate_argnums=(1,))
+    return _jit(prefill, tp)
 
 
 @functools.lru_cache(maxsize=None)  # engines over one model share compiled steps
 def make_generation_step(graphdef: nnx.GraphDef, worker: DraftWorker | None = None,
-                         save_layers: tuple[int, ...] = (), suffix: SuffixSpec | None = None):
+                         save_layers: tuple[int, ...] = (), suffix: SuffixSpec | None = None,
+                         tp: TensorParallel | None = None):
     """The jitted generation step: verify each row's [newest token, drafts] (padded to D+1,
     query_lens = 1 + real draft length), accept, and -- with an in-step drafter or SA -- draft
     the next D tokens. Without either, D > 0 runs verify the drafts the host put in the
     batch."""
     capture = _capture_layers(worker, save_layers)
     if tree_of(worker) is not None:
-        return jax.jit(functools.partial(tree_generation, graphdef, worker, suffix),
-                       donate_argnums=(1,))
+        return _jit(functools.partial(tree_generation, graphdef, worker, suffix), tp)
 
     def generation(params: Params, state: EngineState, batch: StepBatch
                    ) -> tuple[EngineState, GenerationOutput]:
@@ -213,7 +226,7 @@ def make_generation_step(graphdef: nnx.GraphDef, worker: DraftWorker | None = No
                 GenerationOutput(new_tokens, lens, drafts, draft_lens,
                                  captured if save_layers else None, logprobs))
 
-    return jax.jit(generation, donate_argnums=(1,))
+    return _jit(generation, tp)
 
 
 def tree_generation(graphdef: nnx.GraphDef, worker: DraftWorker, suffix: SuffixSpec | None,

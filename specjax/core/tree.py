@@ -20,10 +20,12 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 from flax import struct
+from jax.sharding import PartitionSpec as P
 
 from pallas_kernels.kv_gather import relocate_kv
 from pallas_kernels.paged_attention.reference import TREE_MAX_NODES
 from specjax.core.kv import KVPool
+from specjax.core.sharding import POOL, heads_local
 
 # The tree mask is one int32 bitmask per row (bit j: row j is an ancestor or the row itself),
 # so a run holds at most 32 rows: the root and 31 nodes.
@@ -129,5 +131,6 @@ def relocate_path(pool: KVPool, start_pos: jax.Array, block_tables: jax.Array, p
     dst = start_pos[:, None] + jnp.arange(1, R + 1)[None, :]
     where = lambda pos: (jnp.take_along_axis(block_tables, pos // bs, axis=1), pos % bs)
     (src_b, src_o), (dst_b, dst_o) = where(src), where(dst)
-    k, v = relocate_kv(pool.k, pool.v, src_b, src_o, dst_b, dst_o, num_moves)
-    return KVPool(k=k, v=v)
+    move = heads_local(relocate_kv, pool.mesh, (POOL, POOL) + (P(),) * 5, (POOL, POOL))
+    k, v = move(pool.k, pool.v, src_b, src_o, dst_b, dst_o, num_moves)
+    return pool.replace(k=k, v=v)

@@ -24,11 +24,11 @@ import time
 from typing import Sequence
 
 import numpy as np
+from jax.sharding import Mesh
 
-from specjax.core.penalties import start_penalties
+from specjax.core.sharding import TP, TensorParallel, make_mesh
 from specjax.core.state import init_state, split_model
 from specjax.core.steps import runs_on_device
-from specjax.core.suffix import start_history
 from specjax.engine.allocator import BlockAllocator
 from specjax.engine.bookkeeper import Bookkeeper, DispatchedStep, GenerationRow
 from specjax.engine.executor import Executor, bucket, power_of_two_buckets
@@ -68,9 +68,14 @@ class EngineConfig:
     # Share full KV blocks of committed tokens between requests with a common prefix
     # (`specjax.engine.prefix_cache`).
     enable_prefix_cache: bool = True
+    # Tensor parallelism (`specjax.core.sharding`): the target split over this many devices,
+    # or over `mesh`'s "tp" axis (a user-built Mesh; then its size decides).
+    tensor_parallel_size: int = 1
+    mesh: Mesh | None = None
 
     def __post_init__(self):
-        for name in ("max_batch_size", "tokens_per_block", "prefill_chunk", "max_prefill_rows"):
+        for name in ("max_batch_size", "tokens_per_block", "prefill_chunk", "max_prefill_rows",
+                     "tensor_parallel_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -86,9 +91,22 @@ class EngineConfig:
             raise ValueError(f"batch_sizes must be increasing ints in 1..max_batch_size, ending "
                              f"at max_batch_size ({self.max_batch_size}); got {sizes!r}")
 
+        if self.mesh is not None and self.tensor_parallel_size not in (1, self.mesh.shape.get(
+                TP, 0)):
+            raise ValueError(f"tensor_parallel_size {self.tensor_parallel_size} disagrees with "
+                             f"the mesh's {TP!r} axis ({dict(self.mesh.shape)}); pass one")
+
     @property
     def decode_buckets(self) -> tuple[int, ...]:
         return self.batch_sizes or power_of_two_buckets(self.max_batch_size)
+
+    def tensor_parallel(self) -> TensorParallel | None:
+        """The mesh the steps run on; None for one device."""
+        if self.mesh is not None:
+            return TensorParallel(self.mesh)
+        if self.tensor_parallel_size > 1:
+            return TensorParallel(make_mesh(self.tensor_parallel_size))
+        return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,6 +136,9 @@ class Engine:
                  config: EngineConfig = EngineConfig(), seed: int | None = None,
                  speculative_config: SpeculativeConfig | None = None):
         mc = model.config
+        tp = config.tensor_parallel()
+        if tp is not None:
+            tp.check(mc)
         self.config, self.model_config, self.tokenizer = config, mc, tokenizer
         self.max_len = config.max_model_len or mc.max_position_embeddings
         if self.max_len > mc.max_position_embeddings:
@@ -149,17 +170,18 @@ class Engine:
                                    config.max_prefill_rows, D, spec.drafts_in_step,
                                    on_preempt=self._on_preempt, verify_len=spec.verify_len,
                                    prefix_cache=self.prefix_cache)
-        graphdef, params = split_model(model, spec.draft_model)
+        graphdef, params = split_model(model, spec.draft_model, fused=tp is None)
         make_state = lambda: init_state(mc, num_slots=config.max_batch_size,
                                         num_blocks=num_blocks, tokens_per_block=bs,
                                         max_draft_len=spec.verify_len(D), worker=spec.worker,
-                                        suffix=spec.suffix, history_len=self.max_len)
+                                        suffix=spec.suffix, history_len=self.max_len,
+                                        mesh=None if tp is None else tp.mesh)
         self.executor = Executor(graphdef, params, make_state, self.allocator, worker=spec.worker,
                                  suffix=spec.suffix,
                                  save_layers=spec.save_layers, blocks_per_seq=blocks_per_seq,
                                  decode_buckets=config.decode_buckets,
                                  prefill_chunk=config.prefill_chunk,
-                                 max_prefill_rows=config.max_prefill_rows)
+                                 max_prefill_rows=config.max_prefill_rows, tp=tp)
         self.bookkeeper = Bookkeeper(self.allocator, self.stats, spec.rewinds, self.gate,
                                      self.recorder)
         self.outputs = OutputProcessor(mc.eos_token_ids, tokenizer, self.stats)
@@ -325,20 +347,14 @@ class Engine:
                 self._start_penalties(r.slot, r.all_ids, len(r.prompt_ids))
 
     def _start_penalties(self, slot: int, tokens: list[int], prompt_len: int) -> None:
-        state = self.executor.state
-        padded = np.zeros((1, self.max_len), np.int32)
-        padded[0, :len(tokens)] = tokens
-        self.executor.state = state.replace(penalties=start_penalties(
-            state.penalties, np.asarray([slot], np.int32), padded,
-            np.asarray([prompt_len], np.int32), np.asarray([len(tokens)], np.int32)))
+        padded = np.zeros(self.max_len, np.int32)
+        padded[:len(tokens)] = tokens
+        self.executor.start_penalties(slot, padded, prompt_len, len(tokens))
 
     def _start_history(self, slot: int, tokens: list[int]) -> None:
-        state = self.executor.state
-        padded = np.zeros((1, state.suffix.history.shape[1]), np.int32)
-        padded[0, :len(tokens)] = tokens
-        self.executor.state = state.replace(suffix=start_history(
-            state.suffix, np.asarray([slot], np.int32), padded,
-            np.asarray([len(tokens)], np.int32)))
+        padded = np.zeros(self.executor.state.suffix.history.shape[1], np.int32)
+        padded[:len(tokens)] = tokens
+        self.executor.start_history(slot, padded, len(tokens))
 
     def _schedule_generation(self) -> tuple[list[GenerationRow], int]:
         """Rows whose newest token is pending, with their reservations, and the step's runtime

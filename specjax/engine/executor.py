@@ -10,20 +10,27 @@ such a step may still move a request.
 """
 from __future__ import annotations
 
+import atexit
+import logging
 from typing import Callable
 
 import jax
+import numpy as np
 from tqdm.auto import tqdm
 
 from specjax.core.batch import PrefillOutput, clear_row, empty_batch, set_row
+from specjax.core.penalties import start_penalties
+from specjax.core.sharding import TensorParallel
 from specjax.core.state import EngineState, Params
 from specjax.core.steps import make_generation_step, make_prefill_step
-from specjax.core.suffix import SuffixSpec
+from specjax.core.suffix import SuffixSpec, start_history
 from specjax.core.worker import DraftWorker
 from specjax.engine.allocator import BlockAllocator
 from specjax.engine.bookkeeper import DispatchedStep, GenerationRow
+from specjax.engine.distributed import Channel, is_leader
 from specjax.engine.request import Request
 
+log = logging.getLogger("specjax.engine")
 Failed = list[tuple[Request, Exception]]   # rows that could not be prepared, with the error
 
 
@@ -45,17 +52,39 @@ class Executor:
                  allocator: BlockAllocator, *, worker: DraftWorker | None,
                  save_layers: tuple[int, ...], blocks_per_seq: int,
                  decode_buckets: tuple[int, ...], prefill_chunk: int, max_prefill_rows: int,
-                 suffix: SuffixSpec | None = None):
-        # Everything the steps take lives on one device, committed: a jitted step's signature
-        # includes whether each argument is committed, so a mix (a head trained in the same
-        # process is committed, a loaded one is not) would compile again after warm-up.
-        device = jax.devices()[0]
-        self.graphdef, self.params = graphdef, jax.device_put(params, device)
-        self.make_state = lambda: jax.device_put(make_state(), device)
+                 suffix: SuffixSpec | None = None, tp: TensorParallel | None = None):
+        self.tp = tp
+        if tp is None:
+            # Everything the steps take lives on one device, committed: a jitted step's
+            # signature includes whether each argument is committed, so a mix (a head trained
+            # in the same process is committed, a loaded one is not) would compile again
+            # after warm-up.
+            device = jax.devices()[0]
+            self.params = jax.device_put(params, device)
+            self.make_state = lambda: jax.device_put(make_state(), device)
+        else:
+            # On a mesh: weights split by the plan, and the state built in place, sharded
+            # (a target's pool may not fit one device).
+            self.params = tp.put(params, tp.param_shardings(params))
+            self.make_state = jax.jit(make_state, out_shardings=tp.state_shardings(
+                jax.eval_shape(make_state)))
+        self.graphdef = graphdef
         self.state = state = self.make_state()
         self.allocator = allocator
-        self.prefill_step = make_prefill_step(graphdef, worker, save_layers, suffix)
-        self.generation_step = make_generation_step(graphdef, worker, save_layers, suffix)
+        self.steps = {"prefill": make_prefill_step(graphdef, worker, save_layers, suffix, tp),
+                      "generation": make_generation_step(graphdef, worker, save_layers, suffix,
+                                                         tp)}
+        # Several processes (`specjax.engine.distributed`): process 0 sends every device
+        # update to the others before it makes it; they apply it in `follow`.
+        self.channel = None
+        if jax.process_count() > 1:
+            if tp is None or tp.mesh.size != jax.device_count():
+                raise ValueError(f"{jax.process_count()} processes run one mesh over all "
+                                 f"{jax.device_count()} devices: tensor_parallel_size "
+                                 f"{jax.device_count()}")
+            self.channel = Channel()
+            if is_leader():
+                atexit.register(self.close)
         self.blocks_per_seq = blocks_per_seq
         self.spare_slot = state.slots.spare  # the slot padded rows write to
         self.prefill_chunk = prefill_chunk
@@ -75,7 +104,7 @@ class Executor:
             end = start + n
             runs.append((request, request.tokens(start, end),
                          request.token_at(end) if end < request.num_tokens else -1))
-        return self._launch(self.prefill_step, runs, self.prefill_chunk, self.prefill_buckets)
+        return self._launch("prefill", runs, self.prefill_chunk, self.prefill_buckets)
 
     def launch_generation(self, rows: list[GenerationRow], draft_len: int,
                           verify_len: int | None = None) -> tuple[DispatchedStep, Failed]:
@@ -87,8 +116,7 @@ class Executor:
         runs = [(row.request, [row.request.last_token] + row.request.draft_tokens[:row.drafted],
                  -1) for row in rows]
         self._step_id += 1
-        out, failed = self._launch(self.generation_step, runs, verify_len + 1,
-                                   self.decode_buckets)
+        out, failed = self._launch("generation", runs, verify_len + 1, self.decode_buckets)
         step = DispatchedStep(self._step_id, rows, draft_len, out, verify_len)
         for row in rows:
             request = row.request
@@ -96,7 +124,7 @@ class Executor:
             request.latest_advance = draft_len + 1
         return step, failed
 
-    def _launch(self, fn, runs: list[tuple[Request, list[int], int]], width: int,
+    def _launch(self, kind: str, runs: list[tuple[Request, list[int], int]], width: int,
                 buckets: tuple[int, ...]):
         """Row i of the batch is runs[i]; a run whose row cannot be written stays padding (it
         computes nothing and its outputs are ignored) and is returned with its error."""
@@ -118,17 +146,97 @@ class Executor:
             except Exception as e:
                 clear_row(batch, i, self.spare_slot)
                 failed.append((request, e))
-        self.state, out = fn(self.params, self.state, batch)
+        out = self._update("step", kind, batch)
         for leaf in jax.tree.leaves(out):  # start the small device->host copies now, unblocked
             leaf.copy_to_host_async()
         return out, failed
+
+    # -- device updates: the only code that changes the state -------------------------------
+
+    def _update(self, op: str, *args):
+        """Apply `op` (a `_<op>` method) to the device state; a leader sends it first."""
+        if self.channel is not None:
+            if not is_leader():
+                raise RuntimeError(f"process {jax.process_index()} follows process 0, which "
+                                   "serves requests: call follow() here")
+            if self.channel.closed:
+                raise RuntimeError("this multi-process job was closed: the other processes "
+                                   "have stopped")
+            self.channel.send((op, args))
+        return getattr(self, f"_{op}")(*args)
+
+    def _step(self, kind: str, batch):
+        self.state, out = self.steps[kind](self.params, self.state, self._place(batch))
+        return out
+
+    def _place(self, tree):
+        """Host inputs of a device update: as they are on one device, replicated on a mesh."""
+        return tree if self.tp is None else self.tp.replicate(tree)
+
+    # -- slot state the steps do not rebuild -------------------------------------------------
+
+    def start_penalties(self, slot: int, tokens: np.ndarray, prompt_len: int,
+                        num_tokens: int) -> None:
+        """A penalised request (re)starting in `slot`: its first `num_tokens` of `tokens` `[H]`
+        (zero-padded) are its prompt (the first `prompt_len`), then what it generated."""
+        self._update("start_penalties", slot, tokens, prompt_len, num_tokens)
+
+    def _start_penalties(self, slot, tokens, prompt_len, num_tokens) -> None:
+        state = self.state
+        rows, tokens, lens = self._place((np.asarray([slot], np.int32), tokens[None],
+                                          np.asarray([[prompt_len], [num_tokens]], np.int32)))
+        self.state = state.replace(penalties=self._pinned(start_penalties(
+            state.penalties, rows, tokens, lens[0], lens[1])))
+
+    def start_history(self, slot: int, tokens: np.ndarray, count: int) -> None:
+        """SA's token history of a request starting in `slot` whose first `count` tokens
+        (`tokens` `[H]`, zero-padded) pass through no prompt chunk (prefix cache)."""
+        self._update("start_history", slot, tokens, count)
+
+    def _start_history(self, slot, tokens, count) -> None:
+        state = self.state
+        rows, tokens, count = self._place((np.asarray([slot], np.int32), tokens[None],
+                                           np.asarray([count], np.int32)))
+        self.state = state.replace(suffix=self._pinned(start_history(
+            state.suffix, rows, tokens, count)))
+
+    def _pinned(self, tree):
+        """Replicated again on a mesh, so the next step's signature does not change."""
+        return tree if self.tp is None else jax.device_put(
+            tree, jax.tree.map(lambda _: self.tp.sharding(), tree))
 
     def reset(self) -> None:
         """Fresh device state after a step failed on the device: a donated state that went
         into a failed step cannot be trusted (or may be gone). Every request that held K/V
         in it must be failed by the caller; waiting requests hold none."""
         self.inflight = None
+        self._update("reset_state")
+
+    def _reset_state(self) -> None:
         self.state = self.make_state()
+
+    # -- several processes -------------------------------------------------------------------
+
+    def follow(self) -> None:
+        """On a process other than 0: apply process 0's device updates until it stops. A
+        failing update is logged and followed by the same recovery process 0 makes (it
+        fails the same way on every process, and process 0 then sends a reset)."""
+        if self.channel is None or is_leader():
+            raise RuntimeError("follow() is for processes other than 0 of a multi-process job")
+        while True:
+            op, args = self.channel.receive()
+            if op == "stop":
+                return
+            try:
+                getattr(self, f"_{op}")(*args)
+            except Exception:
+                log.exception("device update %r failed on process %d", op, jax.process_index())
+
+    def close(self) -> None:
+        """On process 0 of a multi-process job: tell the others to stop (once)."""
+        if self.channel is not None and is_leader() and not self.channel.closed:
+            self.channel.send(("stop", ()))
+            self.channel.closed = True
 
     # -- the step in flight ------------------------------------------------------------------
 
@@ -146,11 +254,9 @@ class Executor:
     def warmup(self, generation_widths: set[tuple[int, int]], progress: bool = True) -> None:
         """Compile the prefill step for every bucket and the generation step for every
         (bucket, run width) in `generation_widths`, so serving itself never compiles."""
-        shapes = ([(self.prefill_step, rows, self.prefill_chunk) for rows in self.prefill_buckets]
-                  + [(self.generation_step, rows, width)
-                     for rows, width in sorted(generation_widths)])
-        for fn, rows, width in tqdm(shapes, desc="specjax warm-up", disable=not progress,
-                                    leave=False):
+        shapes = ([("prefill", rows, self.prefill_chunk) for rows in self.prefill_buckets]
+                  + [("generation", rows, width) for rows, width in sorted(generation_widths)])
+        for kind, rows, width in tqdm(shapes, desc="specjax warm-up", disable=not progress,
+                                      leave=False):
             batch = empty_batch(rows, width, self.blocks_per_seq, self.spare_slot)
-            self.state, out = fn(self.params, self.state, batch)
-            jax.block_until_ready(out)
+            jax.block_until_ready(self._update("step", kind, batch))

@@ -71,6 +71,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-prefix-cache", action="store_true",
                         help="do not reuse the K/V of prompt prefixes seen before (default: "
                              "reused; blocks no request holds stay findable until evicted)")
+    parser.add_argument("--tensor-parallel-size", type=int, default=None,
+                        help="devices the model is split over, Megatron-style (default: 1, "
+                             "or every device of a multi-process job)")
+    parser.add_argument("--coordinator-address", default=None,
+                        help="HOST:PORT of process 0 in a multi-process job (jax.distributed); "
+                             "every process gets the same arguments but --process-id (default: "
+                             "none, one process)")
+    parser.add_argument("--num-processes", type=int, default=1,
+                        help="processes in the job; process 0 serves HTTP, the others run "
+                             "its steps on their devices")
+    parser.add_argument("--process-id", type=int, default=0, help="this process's index")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                         help="parameter dtype (default: the checkpoint's)")
     parser.add_argument("--seed", type=int, default=None,
@@ -131,10 +142,20 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--port must be in [0, 65535], got {args.port}")
         if args.max_queue < 0:
             raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
+        if (args.num_processes > 1) != (args.coordinator_address is not None):
+            raise ValueError("a multi-process job needs both --coordinator-address and "
+                             "--num-processes > 1")
         llm = LLM(args.model, dtype=args.dtype, max_batch_size=args.max_batch_size,
                   max_model_len=args.max_model_len, num_kv_blocks=args.kv_blocks,
                   seed=args.seed, speculative_config=spec,
-                  enable_prefix_cache=not args.no_prefix_cache, warmup=True)
+                  enable_prefix_cache=not args.no_prefix_cache,
+                  tensor_parallel_size=args.tensor_parallel_size,
+                  coordinator_address=args.coordinator_address,
+                  num_processes=args.num_processes, process_id=args.process_id, warmup=True)
+        if args.process_id != 0:
+            log.info("process %d runs process 0's steps until it stops", args.process_id)
+            llm.follow()
+            return 0
         app = create_app(llm, settings)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -148,6 +169,8 @@ def main(argv: list[str] | None = None) -> int:
         server.run()
     except KeyboardInterrupt:  # a second Ctrl-C, re-raised by uvicorn after shutdown
         pass
+    finally:
+        llm.close()  # other processes of a multi-process job stop with this one
     return 0 if server.started else 1
 
 

@@ -97,7 +97,7 @@ def test_a_device_fault_fails_only_requests_on_the_device(tiny_llm, references, 
     """The 4 running requests fail with the step; the 4 waiting ones, and a batch sent after,
     are exact: the engine went on with a fresh device state."""
     engine = tiny_llm.engine
-    real, calls = engine.executor.generation_step, {"n": 0}
+    real, calls = engine.executor.steps["generation"], {"n": 0}
 
     def generation_step(*args):
         calls["n"] += 1
@@ -105,7 +105,7 @@ def test_a_device_fault_fails_only_requests_on_the_device(tiny_llm, references, 
             raise RuntimeError("planted device fault")
         return real(*args)
 
-    monkeypatch.setattr(engine.executor, "generation_step", generation_step)
+    monkeypatch.setitem(engine.executor.steps, "generation", generation_step)
     outs = tiny_llm.generate(PROMPTS, _params(marked=None))
     failed = [i for i, out in enumerate(outs) if out.finish_reason == "error"]
     assert failed == [0, 1, 2, 3]  # the first max_batch_size admitted

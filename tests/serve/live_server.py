@@ -62,6 +62,13 @@ class LiveServer:
             time.sleep(0.05)
 
 
+def free_port() -> int:
+    """A loopback port free now (for a subprocess that binds it itself)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def serve_in_thread(app) -> tuple[str, uvicorn.Server, threading.Thread]:
     """Start the app (`create_app`'s, or any ASGI app with `app.state.server`) the way
     `python -m specjax.serve` does, on a socket we bound ourselves (port 0: no race for a

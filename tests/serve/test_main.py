@@ -6,7 +6,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,7 +13,7 @@ import time
 import httpx
 import pytest
 from flax import nnx
-from live_server import TINY_SERVE
+from live_server import TINY_SERVE, free_port
 
 from specjax.models import Llama, save_hf_checkpoint
 from specjax.models.registry import BUNDLED_TARGET, CHECKPOINTS_DIR, resolve_model_path
@@ -117,6 +116,13 @@ def test_served_model_name(tmp_path):
     (["--max-concurrency", "0"], "max_concurrency"),
     (["--request-timeout", "0"], "request_timeout"),
     (["--shutdown-timeout", "-1"], "shutdown_timeout"),
+    (["--num-processes", "2"], "needs both --coordinator-address"),
+    (["--coordinator-address", "127.0.0.1:1"], "needs both --coordinator-address"),
+    (["--coordinator-address", "nohost", "--num-processes", "2"], "must be HOST:PORT"),
+    (["--coordinator-address", "127.0.0.1:1", "--num-processes", "2", "--process-id", "2"],
+     "process_id must be in 0..1"),
+    (["--tensor-parallel-size", "3"], "tensor_parallel_size 3 needs 3 devices; 1 available"),
+    (["--tensor-parallel-size", "0"], "tensor_parallel_size must be a positive int"),
 ])
 def test_bad_arguments_exit_2_before_loading(argv, message, capsys, monkeypatch):
     monkeypatch.delenv("SPECJAX_API_KEY", raising=False)
@@ -133,11 +139,6 @@ def test_empty_api_key_in_the_environment_is_refused(capsys, monkeypatch):
     assert cli.api_key_from(None, {}) is None
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def test_serve_subprocess_with_checkpoint_chat_template(tmp_path, bundled_tokenizer):
     folder = tmp_path / "tiny-ckpt"
@@ -146,7 +147,7 @@ def test_serve_subprocess_with_checkpoint_chat_template(tmp_path, bundled_tokeni
     template = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}"
                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
     (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
-    port, key = _free_port(), "env-key"
+    port, key = free_port(), "env-key"
     proc = subprocess.Popen(
         [sys.executable, "-m", "specjax.serve", "--model", str(folder), "--port", str(port),
          "--speculative-config", "none", "--max-batch-size", "1", "--log-level", "warning"],

@@ -26,8 +26,10 @@ def _unit_rows(x):
     return x / np.sqrt((x ** 2).mean(-1, keepdims=True))
 
 
-def perm_target() -> tuple[Llama, np.ndarray]:
-    """(target, perm): greedy next token = perm[current] about 80% of the time."""
+def perm_target(cfg=CFG) -> tuple[Llama, np.ndarray]:
+    """(target, perm): greedy next token = perm[current] about 80% of the time. `cfg`: CFG or
+    a variant of it (other head counts)."""
+    CFG = cfg
     model = Llama(CFG, rngs=nnx.Rngs(0))
     perm = np.random.default_rng(0).permutation(CFG.vocab_size)
     unit = _unit_rows(np.asarray(model.embed[...]))
@@ -43,6 +45,7 @@ def eagle_head(target, perm, seed=1):
     """fc keeps the lowest captured layer (about the current token's embedding), the midlayer
     adds nothing, lm_head predicts perm(perm(token)): right for draft 1 whenever the target
     follows the permutation, and the draft vocabulary drops 8 ids through d2t."""
+    CFG = target.config
     head = Eagle3Head(Eagle3HeadConfig.for_target(CFG, draft_vocab_size=CFG.vocab_size - 8),
                       nnx.Rngs(seed))
     H, Vd = CFG.hidden_size, CFG.vocab_size - 8
@@ -67,10 +70,11 @@ def eagle_head(target, perm, seed=1):
     return head
 
 
-def mtp_heads(num_modules, seed=2):
+def mtp_heads(num_modules, seed=2, cfg=CFG):
     """Each module passes the embedded token through (eh_proj = [I; 0], the block adds
     nothing), so with the target's lm_head it predicts perm(token): exact for the target's
     permutation part."""
+    CFG = cfg
     heads = MTPHeads(CFG, num_modules, nnx.Rngs(seed))
     H = CFG.hidden_size
     for module in heads.modules:

@@ -1,0 +1,94 @@
+"""Tensor parallelism on forced CPU devices (a subprocess: the rest of the suite keeps one
+device, `tests/engine/tp_run.py`): every mode's greedy, seeded sampled and penalised output at
+2 (and, in the slow job, 4) devices equals one device's token for token, with real acceptance,
+no compile after warm-up and every block back; weights and pool are split as the plan says."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SPEC_MODES = ["ngram", "sa", "draft_target", "eagle3", "mtp", "tree"]  # perm target
+
+
+def tp_results(modes: list[str], sizes: list[int]) -> dict:
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    done = subprocess.run([sys.executable, "-m", "tests.engine.tp_run",
+                           json.dumps({"modes": ["plain", *modes], "sizes": sizes})],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
+    assert done.returncode == 0, done.stderr[-4000:]
+    line = next(x for x in done.stdout.splitlines() if x.startswith("TP_RESULT "))
+    return json.loads(line.removeprefix("TP_RESULT "))
+
+
+@pytest.fixture(scope="module")
+def two_devices():
+    return tp_results(["eagle3"], [2])
+
+
+def check_modes(results: dict, modes: list[str], sizes: list[int]) -> None:
+    assert results["devices"] == 4
+    for mode in ["plain", *modes]:
+        one = results[mode]["1"]
+        plain = results["bundled_plain" if mode.startswith("bundled") else "plain"]["1"]
+        assert one["greedy"] == plain["greedy"], f"{mode} greedy differs from plain decoding"
+        for size in map(str, sizes):
+            run = results[mode][size]
+            for key in ("greedy", "sampled", "penalised"):
+                assert run[key] == one[key], f"{mode} at {size} devices: {key} output differs"
+            for got, want in zip(run["logprobs"], one["logprobs"]):
+                for g, w in zip(got, want):
+                    assert [t for t, _ in g] == [t for t, _ in w]
+                    assert max(abs(a - b) for (_, a), (_, b) in zip(g, w)) < 1e-4
+            assert run["compiles_after_warmup"] == 0, f"{mode} at {size} devices compiled"
+            assert run["pool_full"], f"{mode} at {size} devices leaked blocks"
+            if not mode.endswith("plain"):
+                assert 0 < run["accepted"] < run["drafted"], (mode, size, run["accepted"],
+                                                              run["drafted"])
+
+
+def check_placement(results: dict, sizes: list[int]) -> None:
+    split = {"q_proj": "(None, 'tp')", "k_proj": "(None, 'tp')", "v_proj": "(None, 'tp')",
+             "gate_proj": "(None, 'tp')", "up_proj": "(None, 'tp')",
+             "o_proj": "('tp', None)", "down_proj": "('tp', None)"}
+    for size in sizes:
+        placement = results["plain"][str(size)]["placement"]
+        expected = {**{f"layers.0.{k}": v for k, v in split.items()},
+                    "layers.0.input_norm": "()", "layers.0.post_norm": "()",
+                    "final_norm": "()", "embed": "('tp', None)", "lm_head": "(None, 'tp')",
+                    "kv_pool.k": "(None, None, None, 'tp')"}
+        assert {k: v["spec"] for k, v in placement.items()} == expected
+        for name, p in placement.items():
+            share = size if p["spec"] != "()" else 1
+            assert p["local"] * share == p["total"], (name, size, p)
+
+
+def test_two_devices_equal_one(two_devices):
+    check_modes(two_devices, ["eagle3"], [2])
+
+
+def test_weights_and_pool_are_split_by_the_plan(two_devices):
+    check_placement(two_devices, [2])
+
+
+def test_sizes_that_cannot_split_are_refused_by_name(two_devices):
+    refusals = two_devices["refusals"]
+    assert "tensor_parallel_size 3 does not divide the model's num_heads (4)" in refusals["3"]
+    assert "tensor_parallel_size 8 needs 8 devices; 4 available" in refusals["8"]
+
+
+@pytest.mark.slow
+def test_every_mode_at_two_and_four_devices_equals_one():
+    results = tp_results(SPEC_MODES, [2, 4])
+    check_modes(results, SPEC_MODES, [2, 4])
+    check_placement(results, [2, 4])
+
+
+@pytest.mark.slow
+def test_shipped_parallel_drafters_at_two_devices_equal_one():
+    """PARD and DFlash with the bundled target's trained drafters (2 KV heads: 2 devices)."""
+    modes = ["bundled_plain", "bundled_pard", "bundled_dflash"]
+    check_modes(tp_results(modes, [2]), modes, [2])
