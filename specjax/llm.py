@@ -1,6 +1,7 @@
 """`specjax.LLM`: load a model, warm the engine up, generate."""
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Sequence
 
@@ -74,7 +75,12 @@ class LLM:
                               overlap_scheduler=overlap_scheduler,
                               enable_prefix_cache=enable_prefix_cache,
                               tensor_parallel_size=tensor_parallel_size, mesh=mesh)
-        config.tensor_parallel()  # a size without as many devices is refused before loading
+        # A size without as many devices is refused before loading. Split, the target is read
+        # into host memory and each device gets only its shards (`Executor`): it need not fit
+        # one device.
+        split = config.tensor_parallel() is not None
+        reading = (jax.default_device(jax.local_devices(backend="cpu")[0]) if split
+                   else contextlib.nullcontext())
         if isinstance(model, Llama):
             self.model_path = None
         else:
@@ -83,14 +89,17 @@ class LLM:
             speculative_config = resolve_auto(speculative_config, model, max_batch_size)
             speculative_config = with_shipped_drafter(speculative_config, model)
             self.model_path = resolve_model_path(model)
-            model = load_hf_checkpoint(self.model_path, dtype=dtype)
+            with reading:
+                model = load_hf_checkpoint(self.model_path, dtype=dtype)
             if tokenizer is None and (self.model_path / "tokenizer.json").exists():
                 tokenizer = Tokenizer.from_folder(self.model_path)
         self.model = model
         self.tokenizer = tokenizer
-        # Speculation (drafter modules included) is built and checked by the engine.
-        self.engine = Engine(model, tokenizer, config, seed=seed,
-                             speculative_config=speculative_config)
+        # Speculation (drafter modules included) is built and checked by the engine; its
+        # inference layout is made where the weights were read.
+        with reading:
+            self.engine = Engine(model, tokenizer, config, seed=seed,
+                                 speculative_config=speculative_config)
         self.progress = progress
         if warmup:
             self.warmup()
