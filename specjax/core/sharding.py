@@ -125,6 +125,10 @@ class TensorParallel:
         return jax.tree.map(place, tree, shardings)
 
     def replicate(self, tree: Any) -> Any:
+        """A step's host inputs on every device. One process: one batched transfer (this runs
+        every step); several: each process fills its own devices."""
+        if jax.process_count() == 1:
+            return jax.device_put(tree, self.sharding())
         return self.put(tree, jax.tree.map(lambda _: self.sharding(), tree))
 
     def pin(self, state: Any, out: Any) -> tuple[Any, Any]:
