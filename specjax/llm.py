@@ -62,11 +62,12 @@ class LLM:
         if (num_processes != 1 or coordinator_address is not None) \
                 and not distributed.initialized():
             distributed.initialize(coordinator_address, num_processes, process_id)
-            # Process 0 drives every device update, warm-up included (`follow`).
-            warmup = warmup and distributed.is_leader()
-        if tensor_parallel_size is None:  # several processes: one mesh over all devices
-            tensor_parallel_size = jax.device_count() if num_processes > 1 and mesh is None \
-                else 1
+        # Joined here or by the caller: process 0 drives every device update, warm-up
+        # included (`follow`), and the mesh spans every process's devices by default.
+        several = distributed.initialized() and jax.process_count() > 1
+        warmup = warmup and (not several or distributed.is_leader())
+        if tensor_parallel_size is None:
+            tensor_parallel_size = jax.device_count() if several and mesh is None else 1
         compile_cache.enable()
         config = EngineConfig(max_batch_size=max_batch_size, max_model_len=max_model_len,
                               batch_sizes=None if batch_sizes is None else tuple(batch_sizes),

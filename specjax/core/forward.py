@@ -8,7 +8,6 @@ from typing import Callable, Sequence, TypeVar
 
 import jax
 import jax.numpy as jnp
-
 from jax.sharding import PartitionSpec as P
 
 from pallas_kernels.kv_gather import gather_kv_pages

@@ -19,8 +19,9 @@ left (no compile after warm-up).
 - slot state, penalties, SA history, batches and every small output: replicated.
 
 The same shardings serve one host (a `Mesh` over local devices) and several (a mesh over every
-process's devices after `jax.distributed.initialize`), which is why arrays are built with
-`jax.make_array_from_callback`: each process supplies only its own devices' shards.
+process's devices after `jax.distributed.initialize`), which is why weights (and, across
+processes, every host input) are placed with `jax.make_array_from_callback`: each process
+supplies only its own devices' shards.
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
+from specjax.core.kv import KVPool
 from specjax.models.config import ModelConfig
 
 TP = "tp"
@@ -105,7 +107,6 @@ class TensorParallel:
     def state_shardings(self, state: Any) -> Any:
         """Shardings for an `EngineState` (or its shapes): pools whose `mesh` is set split
         over KV heads, everything else replicated."""
-        from specjax.core.kv import KVPool
         split, replicated = self.sharding(POOL), self.sharding()
 
         def place(x):
