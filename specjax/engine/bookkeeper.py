@@ -17,6 +17,7 @@ also lands in `EngineStats`' histograms at (num_drafts_verified, num_accepted).
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import numpy as np
 
@@ -25,7 +26,7 @@ from specjax.engine.allocator import BlockAllocator
 from specjax.engine.hidden_states import HiddenStateRecorder
 from specjax.engine.output import logprob_entries
 from specjax.engine.request import Request, Status
-from specjax.engine.stats import EngineStats
+from specjax.engine.stats import EngineStats, StepRecord
 from specjax.speculative.schedule import SpeculationGate
 
 
@@ -77,7 +78,7 @@ class Bookkeeper:
         draft_lens = np.asarray(out.draft_lens)
         next_drafts = np.asarray(out.next_draft_tokens)
         hidden = np.asarray(out.hidden_states) if self.recorder is not None else None
-        advanced, failed = [], []
+        advanced, failed, settled = [], [], []
         accepted_sum, drafted_sum, with_drafts = 0, 0, 0
         for i, row in enumerate(step.rows):
             request = row.request
@@ -112,10 +113,18 @@ class Bookkeeper:
                 failed.append((request, e))
                 continue
             advanced.append((request, tokens, logprobs))
+            settled.append((request.request_id, num_drafts_verified, num_accepted))
         self.stats.record_step(with_drafts, accepted_sum, drafted_sum)
         tripped = False
         if self.gate is not None and drafted_sum > 0:
             tripped, _ = self.gate.record_acceptance_rate(accepted_sum / drafted_sum)
+        if self.stats.trace is not None:
+            ids, verified, accepted = zip(*settled) if settled else ((), (), ())
+            self.stats.trace.append(StepRecord(
+                step.draft_len, ids, verified, accepted,
+                None if self.gate is None else self.gate.rolling_mean(),
+                self.gate is not None and self.gate.disabled, time.perf_counter(),
+                self.stats.draft_time))
         return advanced, tripped, failed
 
     def _give_back(self, request: Request, row: GenerationRow, step_id: int, num_accepted: int,

@@ -2,6 +2,30 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Sequence
+
+
+def at_least(accepted_histogram: Sequence[int], depth: int) -> list[float]:
+    """AR_k = P(accepted >= k) for k = 1..depth, from `accepted_histogram[a]` = request-steps
+    that accepted exactly `a` drafts (all zeros before any)."""
+    n = sum(accepted_histogram)
+    return [sum(accepted_histogram[k:]) / n if n else 0.0 for k in range(1, depth + 1)]
+
+
+@dataclasses.dataclass(frozen=True)
+class StepRecord:
+    """One settled generation step, kept while `EngineStats.trace` is a list
+    (`specjax.analysis.trace`). Rows are the step's requests that were still running."""
+
+    draft_len: int                 # the step's runtime draft length (0: no drafts)
+    request_ids: tuple[int, ...]   # [rows]
+    verified: tuple[int, ...]      # [rows] drafts each row verified (0: none)
+    accepted: tuple[int, ...]      # [rows] of those, how many were accepted
+    gate_mean: float | None        # the gate's rolling acceptance after it (None: no gate or
+                                   # its window is not full yet)
+    gate_disabled: bool            # speculation is off for good after this step
+    time: float                    # time.perf_counter() when the host settled it
+    draft_time: float              # EngineStats.draft_time then (host drafting so far)
 
 
 @dataclasses.dataclass
@@ -37,6 +61,7 @@ class EngineStats:
     prefix_cache_hits: int = 0        # of those, tokens whose K/V came from the cache
     verified_histogram: list[int] = dataclasses.field(default_factory=list)
     accepted_histogram: list[int] = dataclasses.field(default_factory=list)
+    trace: list[StepRecord] | None = None   # per-step records while tracing, else None
 
     def record_request_step(self, verified: int, accepted: int) -> None:
         """One request's row of a generation step that verified `verified >= 1` drafts and
@@ -52,8 +77,13 @@ class EngineStats:
             self.drafted_tokens += drafted
 
     def reset(self) -> None:
-        """Back to zero, in place: the engine's parts share this object."""
+        """Back to zero, in place: the engine's parts share this object. A trace being kept
+        is emptied in place (its holder keeps the same list) and stays on."""
+        trace = self.trace
         self.__dict__.update(EngineStats().__dict__)
+        if trace is not None:
+            trace.clear()
+            self.trace = trace
 
     @property
     def acceptance_length(self) -> float | None:
@@ -67,12 +97,9 @@ class EngineStats:
         """AR_k for draft positions k = 1, 2, ...: the share of request-steps with drafts that
         accepted at least k of them (`[AR_1, AR_2, ...]`, as long as the deepest draft
         verified; AL = 1 + sum of AR_k). Empty before any draft."""
-        n = self.request_steps_with_drafts
-        if not n:
+        if not self.request_steps_with_drafts:
             return []
-        depth = len(self.verified_histogram) - 1
-        at_least = [sum(self.accepted_histogram[k:]) for k in range(1, depth + 1)]
-        return [a / n for a in at_least]
+        return at_least(self.accepted_histogram, len(self.verified_histogram) - 1)
 
     @property
     def acceptance_rate(self) -> float | None:

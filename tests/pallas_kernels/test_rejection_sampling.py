@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from specjax.analysis.distribution import empirical, tvd_bound
 from pallas_kernels.rejection_sampling import (chain_speculative_sampling,
                                                chain_speculative_sampling_kernel,
                                                chain_speculative_sampling_reference,
@@ -27,14 +28,6 @@ reference = jax.jit(chain_speculative_sampling_reference)
 
 def kernel(*args, chunk=1024):
     return chain_speculative_sampling_kernel(*args, interpret=True, chunk=chunk)
-
-
-def tvd_bound(n: int, k: int, delta: float = DELTA) -> float:
-    return math.sqrt((k * math.log(2) + math.log(1 / delta)) / (2 * n))
-
-
-def empirical(values: np.ndarray, k: int) -> np.ndarray:
-    return np.bincount(values, minlength=k)[:k] / len(values)
 
 
 def draw(rng, probs, size=None):

@@ -6,6 +6,7 @@ from flax import nnx
 
 import specjax
 from specjax import DraftTargetConfig, NGramConfig, SamplingParams, UserProvidedConfig
+from specjax.analysis import trace
 from specjax.engine.compile_counter import count_compilations
 from specjax.models import Llama
 from specjax.models.dense_greedy import dense_greedy
@@ -119,7 +120,8 @@ def test_oracle_accepts_exactly_the_predicted_count(tiny_model, greedy_refs, wro
     D = 4
     oracle = Oracle(greedy_refs, wrong=wrong)
     llm = _llm(tiny_model, UserProvidedConfig(max_draft_len=D, drafter=oracle))
-    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS))
+    with trace(llm) as steps:
+        outs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS))
     verified_hist, accepted_hist = [0] * (D + 1), [0] * (D + 1)
     for out in outs:
         history = oracle.history[out.request_id]
@@ -142,6 +144,8 @@ def test_oracle_accepts_exactly_the_predicted_count(tiny_model, greedy_refs, wro
         # A request's AL counts its steps with drafts only; tokens per iteration counts all
         # of them (and the prompt's prefill, which gave the first token).
         n = len(request_accepted)
+        # The trace holds the same per-step counts, in order.
+        assert steps.per_request()[out.request_id].tolist() == request_accepted
         assert out.stats.num_steps_with_drafts == n
         assert out.stats.acceptance_length == pytest.approx((sum(request_accepted) + n) / n)
         assert out.stats.tokens_per_iteration == pytest.approx(
@@ -149,7 +153,8 @@ def test_oracle_accepts_exactly_the_predicted_count(tiny_model, greedy_refs, wro
     # Every request-step lands in the bins its drafts and accepted count say, and no other.
     trim = lambda hist: hist[:max(i for i, n in enumerate(hist) if n) + 1]
     assert llm.stats.verified_histogram == trim(verified_hist)
-    assert llm.stats.accepted_histogram == trim(accepted_hist)
+    assert llm.stats.accepted_histogram == trim(accepted_hist) == steps.accepted_histogram()
+    assert all(r.draft_len == D for r in steps.records) and llm.stats.trace is None
     # AR_k: the share of request-steps with drafts that accepted at least k, for k up to the
     # deepest draft verified; AL = 1 + sum(AR_k).
     n = sum(accepted_hist)
@@ -271,10 +276,17 @@ def test_gate_trips_and_falls_back_without_recompiling(tiny_model, greedy_refs):
     llm = _llm(tiny_model, UserProvidedConfig(max_draft_len=3, drafter=drafter,
                                               acceptance_rate_window_size=3,
                                               acceptance_rate_threshold=0.2), warmup=True)
-    with count_compilations() as compiled:
+    with count_compilations() as compiled, trace(llm) as steps:
         outs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS))
         assert compiled() == 0
     assert llm.engine.gate.disabled
+    # The trace shows the rolling mean the gate saw and the step it tripped at: the first
+    # whose full window averaged below the threshold; no step after it drafted.
+    means, tripped = steps.gate_means(), steps.gate_tripped_at()
+    assert tripped is not None and means[tripped] < 0.2
+    assert all(m >= 0.2 for m in means[:tripped] if m == m)  # nan: window not full yet
+    assert steps.draft_lens()[tripped + 1:].tolist() == [0] * (len(means) - tripped - 1)
+    assert steps.draft_lens()[:tripped + 1].tolist() == [3] * (tripped + 1)
     # Drafts were accepted (and rejected) before the trip: both sides of the gate ran.
     assert_mixed_acceptance(llm.stats, 3)
     assert drafter.calls > drafter.right  # it tripped on the wrong drafts, not before them
