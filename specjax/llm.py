@@ -7,7 +7,7 @@ from typing import Sequence
 
 import jax
 from jax.sharding import Mesh
-from tqdm.auto import tqdm
+from specjax.engine.progress import tqdm
 
 from specjax.engine import compile_cache, distributed
 from specjax.engine.engine import Engine, EngineConfig

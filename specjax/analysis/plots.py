@@ -12,15 +12,16 @@ from specjax.analysis.acceptance import al_by_depth, alpha, predicted_al
 MATPLOTLIB = 'the plots need matplotlib: pip install -e ".[plot]"'
 
 
-def plot_ar(ax, curves: Mapping[str, Sequence[float]]) -> None:
-    """AR_k against draft position k, one line per method."""
-    for label, ar in curves.items():
-        ax.plot(np.arange(1, len(ar) + 1), ar, marker="o", label=label)
+def plot_ar(ax, curves: Mapping[str, Sequence[float]], legend: bool = True) -> None:
+    """AR_k against draft position k, one line per method (colours C0, C1, ... in order)."""
+    for i, (label, ar) in enumerate(curves.items()):
+        ax.plot(np.arange(1, len(ar) + 1), ar, marker="o", label=label, color=f"C{i % 10}")
     ax.set(xlabel="draft position k", ylabel="AR_k = P(accepted >= k)", ylim=(0, 1.02),
            title="acceptance per draft position")
-    ax.xaxis.get_major_locator().set_params(integer=True)
+    ax.set_xticks(np.arange(1, max(map(len, curves.values()), default=1) + 1))
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, loc="upper right")  # AR_k falls with k: that corner is free
+    if legend:
+        ax.legend(fontsize=7)
 
 
 def plot_al_histogram(ax, label: str, shares: Sequence[float]) -> None:
@@ -44,11 +45,12 @@ def plot_al_vs_depth(ax, depths: Sequence[int], measured: Sequence[float],
 
 
 def plot_speedups(ax, labels: Sequence[str], speedup: Sequence[float],
-                  decode_speedup: Sequence[float]) -> None:
-    """Horizontal bars: end-to-end and decode speedup over plain decoding, per method."""
+                  decode_speedup: Sequence[float], colors: Sequence[str] | None = None) -> None:
+    """Horizontal bars per method: end-to-end speedup over plain decoding (solid) and decode
+    speedup (lighter), in `colors` (one per method) if given."""
     y = np.arange(len(labels))
-    ax.barh(y - 0.2, speedup, 0.4, label="end to end")
-    ax.barh(y + 0.2, decode_speedup, 0.4, label="decode")
+    ax.barh(y - 0.2, speedup, 0.4, label="end to end", color=colors)
+    ax.barh(y + 0.2, decode_speedup, 0.4, label="decode (lighter)", color=colors, alpha=0.45)
     ax.axvline(1.0, color="k", lw=0.8)
     ax.set_yticks(y, labels, fontsize=7)
     ax.invert_yaxis()
@@ -57,17 +59,18 @@ def plot_speedups(ax, labels: Sequence[str], speedup: Sequence[float],
 
 
 def spec_figure(rows: Sequence[Mapping], title: str = ""):
-    """The bench's figure: AR_k per method (left) and its speedups (right). Each row: label,
-    ar, speedup, decode_speedup. A `matplotlib.figure.Figure` (no pyplot: no display needed)."""
+    """The bench's figure: AR_k per method (left) and its speedups (right, labelled, in the
+    colour of its AR_k line). Each row: label, ar, speedup, decode_speedup. A
+    `matplotlib.figure.Figure` (no pyplot: no display needed)."""
     try:
         from matplotlib.figure import Figure
     except ImportError:
         raise SystemExit(MATPLOTLIB) from None
     fig = Figure(figsize=(12, 0.35 * len(rows) + 3), layout="constrained")
-    left, right = fig.subplots(1, 2)
-    plot_ar(left, {r["label"]: r["ar"] for r in rows})
+    left, right = fig.subplots(1, 2, width_ratios=(2, 3))
+    plot_ar(left, {r["label"]: r["ar"] for r in rows}, legend=False)
     plot_speedups(right, [r["label"] for r in rows], [r["speedup"] for r in rows],
-                  [r["decode_speedup"] for r in rows])
+                  [r["decode_speedup"] for r in rows], [f"C{i % 10}" for i in range(len(rows))])
     if title:
         fig.suptitle(title, fontsize=9)
     return fig

@@ -14,7 +14,9 @@ from specjax.sampling_params import SamplingParams
 @dataclasses.dataclass(frozen=True)
 class Speed:
     """One timed `generate` call (or the fastest of several): its outputs, output tokens,
-    wall seconds, tokens/s end to end and after each request's first token (decode)."""
+    wall seconds; `tps`: output tokens/s of the whole call (throughput, prefill included);
+    `decode_tps`: tokens/s of one request after its first token (1 / TPOT, the requests'
+    decode time summed), which falls as a batch grows while `tps` rises."""
 
     outputs: list
     tokens: int

@@ -48,7 +48,9 @@ class Trace:
                          for r in self.records])
 
     def gate_means(self) -> np.ndarray:
-        """[steps] the gate's rolling acceptance after each step (nan until its window fills)."""
+        """[steps] the gate's rolling acceptance after each step (nan until its window fills;
+        after it trips the gate records nothing more, so the value stays the one that
+        tripped it)."""
         return np.array([np.nan if r.gate_mean is None else r.gate_mean for r in self.records])
 
     def gate_tripped_at(self) -> int | None:

@@ -16,7 +16,7 @@ from typing import Callable
 
 import jax
 import numpy as np
-from tqdm.auto import tqdm
+from specjax.engine.progress import tqdm
 
 from specjax.core.batch import PrefillOutput, clear_row, empty_batch, set_row
 from specjax.core.penalties import start_penalties
