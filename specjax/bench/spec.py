@@ -304,6 +304,9 @@ def run(args: argparse.Namespace) -> None:
         require_humaneval()
     if args.plot:
         require(f"--plot {args.plot}", "matplotlib")
+        if not Path(args.plot).resolve().parent.is_dir():
+            raise SystemExit(f"--plot: no folder {Path(args.plot).parent} to write "
+                             f"{Path(args.plot).name} into")
     try:
         configs = [parse_speculative_config(c, args.model) for c in args.config]
     except ValueError as e:

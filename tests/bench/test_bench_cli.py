@@ -158,6 +158,13 @@ def test_spec_plot_needs_matplotlib_and_says_so_before_loading(monkeypatch):
     assert 'pip install -e ".[plot]"' in str(exc.value.code)
 
 
+def test_spec_plot_into_a_missing_folder_fails_before_loading(monkeypatch):
+    _stub_loading(monkeypatch, spec)
+    with pytest.raises(SystemExit) as exc:
+        main(["spec", "--humaneval", "0", "--plot", "/nonexistent/folder/f.png"])
+    assert str(exc.value.code) == "--plot: no folder /nonexistent/folder to write f.png into"
+
+
 @pytest.mark.slow
 def test_spec_plot_writes_the_figure_of_the_rows_it_printed(tmp_path, capsys):
     figure = tmp_path / "spec.png"
