@@ -16,7 +16,6 @@ from typing import Callable
 
 import jax
 import numpy as np
-from specjax.engine.progress import tqdm
 
 from specjax.core.batch import PrefillOutput, clear_row, empty_batch, set_row
 from specjax.core.penalties import start_penalties
@@ -28,6 +27,7 @@ from specjax.core.worker import DraftWorker
 from specjax.engine.allocator import BlockAllocator
 from specjax.engine.bookkeeper import DispatchedStep, GenerationRow
 from specjax.engine.distributed import Channel, is_leader
+from specjax.engine.progress import tqdm
 from specjax.engine.request import Request
 
 log = logging.getLogger("specjax.engine")
