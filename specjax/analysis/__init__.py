@@ -7,12 +7,13 @@
     predicted_al(alpha(ar), D)                # (1 - a^(D+1)) / (1 - a)
 """
 from specjax.analysis.acceptance import (acceptance_length, al_by_depth, al_histogram, alpha,
-                                         at_least, conditional_acceptance, predicted_al)
+                                         at_least, conditional_acceptance, output_acceptance,
+                                         predicted_al)
 from specjax.analysis.distribution import empirical, tvd, tvd_bound
 from specjax.analysis.speed import (Speed, efficiency, measure, speed_vs_batch_size,
                                     step_times)
 from specjax.analysis.trace import Trace, trace
 
 __all__ = ["Speed", "Trace", "acceptance_length", "al_by_depth", "al_histogram", "alpha",
-           "at_least", "conditional_acceptance", "efficiency", "measure", "predicted_al",
-           "speed_vs_batch_size", "step_times", "trace", "empirical", "tvd", "tvd_bound"]
+           "at_least", "conditional_acceptance", "efficiency", "measure", "output_acceptance",
+           "predicted_al", "speed_vs_batch_size", "step_times", "trace", "empirical", "tvd", "tvd_bound"]

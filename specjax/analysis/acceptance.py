@@ -12,7 +12,7 @@ import numpy as np
 from specjax.engine.stats import at_least
 
 __all__ = ["acceptance_length", "al_by_depth", "al_histogram", "alpha", "at_least",
-           "conditional_acceptance", "predicted_al"]
+           "conditional_acceptance", "output_acceptance", "predicted_al"]
 
 
 def acceptance_length(accepted_histogram: Sequence[int]) -> float:
@@ -59,3 +59,25 @@ def al_by_depth(ar: Sequence[float], depths: Sequence[int]) -> np.ndarray:
     a run at depth >= D cut after D drafts): 1 + AR_1 + ... + AR_D."""
     ar = np.asarray(ar, float)
     return np.array([1 + ar[:d].sum() for d in depths])
+
+
+def output_acceptance(outs) -> dict[str, float]:
+    """Acceptance figures summed over `outs`.
+
+    al: tokens per target step over the steps that verified at least one draft (accepted
+        drafts + the target's own token, / those steps).
+    per_step: output tokens after the first / generation steps. The first token comes from the
+        prompt's prefill step, which `RequestStats.decoding_iterations` counts too, so both
+        leave it out: every later target step counts, with or without drafts (a step without
+        drafts gives 1 token). Exact without preemption (a readmitted request's prefill gives
+        a token and an iteration again); `preemptions` says how many there were.
+    no_drafts: the share of generation steps that verified no draft."""
+    with_drafts = sum(o.stats.num_steps_with_drafts for o in outs)
+    accepted = sum(o.stats.num_accepted_draft_tokens for o in outs)
+    steps = sum(o.stats.decoding_iterations - 1 for o in outs)
+    tokens = sum(o.stats.num_generated_tokens - 1 for o in outs)
+    return dict(al=(accepted + with_drafts) / max(with_drafts, 1),
+                per_step=tokens / max(steps, 1),
+                rate=accepted / max(sum(o.stats.num_draft_tokens for o in outs), 1),
+                no_drafts=1 - with_drafts / max(steps, 1),
+                preemptions=sum(o.stats.num_preemptions for o in outs))

@@ -35,7 +35,7 @@ from pathlib import Path
 import jax
 
 from specjax.bench.table import Column, Table
-from specjax.analysis import at_least, efficiency
+from specjax.analysis import at_least, efficiency, output_acceptance
 from specjax.analysis.timing import decode_rate, time_generation_steps
 from specjax.cli import require
 from specjax.llm import LLM
@@ -203,28 +203,6 @@ def merged(histograms: list[list[int]]) -> list[int]:
             for a in range(max(map(len, histograms), default=0))]
 
 
-def acceptance(outs) -> dict[str, float]:
-    """Acceptance figures summed over `outs`.
-
-    al: tokens per target step over the steps that verified at least one draft (accepted
-        drafts + the target's own token, / those steps).
-    per_step: output tokens after the first / generation steps. The first token comes from the
-        prompt's prefill step, which `RequestStats.decoding_iterations` counts too, so both
-        leave it out: every later target step counts, with or without drafts (a step without
-        drafts gives 1 token). Exact without preemption (a readmitted request's prefill gives
-        a token and an iteration again); `preemptions` says how many there were.
-    no_drafts: the share of generation steps that verified no draft."""
-    with_drafts = sum(o.stats.num_steps_with_drafts for o in outs)
-    accepted = sum(o.stats.num_accepted_draft_tokens for o in outs)
-    steps = sum(o.stats.decoding_iterations - 1 for o in outs)
-    tokens = sum(o.stats.num_generated_tokens - 1 for o in outs)
-    return dict(al=(accepted + with_drafts) / max(with_drafts, 1),
-                per_step=tokens / max(steps, 1),
-                rate=accepted / max(sum(o.stats.num_draft_tokens for o in outs), 1),
-                no_drafts=1 - with_drafts / max(steps, 1),
-                preemptions=sum(o.stats.num_preemptions for o in outs))
-
-
 def _run(llm: LLM, prompts: list[str], params: SamplingParams, batch_size: int):
     """Generate every prompt (batch_size at a time); returns (outputs, seconds)."""
     outs, start = [], time.perf_counter()
@@ -346,7 +324,7 @@ def run(args: argparse.Namespace) -> None:
     # (BOS included) + max_tokens / 2, for 1 and D+1 query tokens alike.
     position = round(sum(len(o.prompt_token_ids) for o in reference) / len(reference)
                      + args.max_tokens / 2)
-    plain_acc = acceptance([o for outs, _ in base_runs for o in outs])
+    plain_acc = output_acceptance([o for outs, _ in base_runs for o in outs])
     tab = table(args.repeats, position, args.max_tokens)
     print("\n" + tab.header())
     print(tab.row("plain decoding", "-", plain_acc["per_step"], "-", "-", "-", "-", base["tps"], "-",
@@ -372,13 +350,13 @@ def run(args: argparse.Namespace) -> None:
             if bad:
                 failures.append(f"{label}, run {k} of {len(runs)}: prompts {bad} differ")
         speed = speeds(runs, pairs_plain)
-        acc = acceptance([o for outs, _ in runs for o in outs])
+        acc = output_acceptance([o for outs, _ in runs for o in outs])
         preempted += acc["preemptions"]
         t1, tD = time_generation_steps(llm.engine, 1,
                                        [1, llm.engine.speculation.verify_len(D) + 1], position)
         by_cat, k = [], 0
         for name, group in sets.items():
-            c = acceptance([o for outs, _ in runs for o in outs[k:k + len(group)]])
+            c = output_acceptance([o for outs, _ in runs for o in outs[k:k + len(group)]])
             k += len(group)
             by_cat.append(f"{name} {c['al']:.2f} / {c['per_step']:.2f}")
         ar = at_least(merged(histograms), D)

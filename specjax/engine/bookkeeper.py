@@ -78,7 +78,8 @@ class Bookkeeper:
         draft_lens = np.asarray(out.draft_lens)
         next_drafts = np.asarray(out.next_draft_tokens)
         hidden = np.asarray(out.hidden_states) if self.recorder is not None else None
-        advanced, failed, settled = [], [], []
+        advanced, failed = [], []
+        settled = [] if self.stats.trace is not None else None  # rows for the trace
         accepted_sum, drafted_sum, with_drafts = 0, 0, 0
         for i, row in enumerate(step.rows):
             request = row.request
@@ -113,12 +114,13 @@ class Bookkeeper:
                 failed.append((request, e))
                 continue
             advanced.append((request, tokens, logprobs))
-            settled.append((request.request_id, num_drafts_verified, num_accepted))
+            if settled is not None:
+                settled.append((request.request_id, num_drafts_verified, num_accepted))
         self.stats.record_step(with_drafts, accepted_sum, drafted_sum)
         tripped = False
         if self.gate is not None and drafted_sum > 0:
             tripped, _ = self.gate.record_acceptance_rate(accepted_sum / drafted_sum)
-        if self.stats.trace is not None:
+        if settled is not None:
             ids, verified, accepted = zip(*settled) if settled else ((), (), ())
             self.stats.trace.append(StepRecord(
                 step.draft_len, ids, verified, accepted,
