@@ -3,7 +3,6 @@ directory (so no block leans on the repository root or on an earlier block's nam
 OpenAI client block runs against `python -m specjax.serve`, started as the README says."""
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -11,6 +10,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+
+from tests.serve.live_server import free_port
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 BLOCKS = re.findall(r"^```python\n(.*?)^```", README.read_text(), re.S | re.M)
@@ -25,16 +26,10 @@ def test_the_readme_has_python_blocks():
     assert sum(SERVER_ADDRESS in block for block in BLOCKS) == 1
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server_url(tmp_path_factory):
     """`python -m specjax.serve` with its defaults, on a free port."""
-    port = _free_port()
+    port = free_port()
     log = (tmp_path_factory.mktemp("server") / "server.log").open("w")
     proc = subprocess.Popen([sys.executable, "-m", "specjax.serve", "--port", str(port)],
                             cwd=tmp_path_factory.mktemp("cwd"), stdout=log, stderr=log)
