@@ -2,9 +2,10 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Mapping
+import json
+from typing import Any, Mapping
 
-from specjax.validation import check_sampling_fields
+from specjax.validation import GUIDED_FIELDS, check_sampling_fields
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +37,14 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    # Structured output (`specjax.engine.grammar`), at most one of them: a JSON schema (a dict,
+    # or its JSON text; True: any JSON object), a regular expression the whole output
+    # matches, one of a list of strings, or a Lark grammar. Every verified position -- and so
+    # every draft accepted -- obeys it; the request ends when the grammar is complete.
+    guided_json: Mapping[str, Any] | str | bool | None = None
+    guided_regex: str | None = None
+    guided_choice: tuple[str, ...] | None = None
+    guided_grammar: str | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -46,12 +55,24 @@ class SamplingParams:
         bias = self.logit_bias
         items = bias.items() if isinstance(bias, Mapping) else bias
         object.__setattr__(self, "logit_bias", tuple(sorted((k, v) for k, v in items)))
+        # A schema is kept as its JSON text (key order kept: it orders the output), so the
+        # parameters stay hashable.
+        if isinstance(self.guided_json, Mapping):
+            object.__setattr__(self, "guided_json", json.dumps(self.guided_json))
+        if isinstance(self.guided_choice, (list, tuple)):
+            object.__setattr__(self, "guided_choice", tuple(self.guided_choice))
         # The same checks (and messages) the engine and the HTTP server apply.
         check_sampling_fields(self)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def guided(self) -> str | None:
+        """The name of the structured-output field set (None: unconstrained)."""
+        return next((name for name in GUIDED_FIELDS if getattr(self, name) not in (None, False)),
+                    None)
 
     @property
     def penalized(self) -> bool:

@@ -214,6 +214,31 @@ def check_logit_bias(pairs: Sequence[Any], vocab_size: int | None = None) -> Non
         check_bound("logit_bias", bias)
 
 
+GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+
+
+def check_guided_fields(params: Any) -> None:
+    """At most one structured-output field, of its type; whether the grammar compiles is
+    checked with the tokenizer (`specjax.engine.grammar.Grammars.check`)."""
+    given = [name for name in GUIDED_FIELDS if getattr(params, name) not in (None, False)]
+    if len(given) > 1:
+        raise InvalidArgument(given[1], f"{given[0]} and {given[1]} were both given; a request "
+                                        "takes at most one structured-output constraint")
+    schema = params.guided_json
+    if schema is not None and not isinstance(schema, (str, bool)):
+        raise InvalidArgument("guided_json", f"guided_json must be a JSON schema (a dict or its "
+                                             f"JSON text) or true, got {shown(schema)}")
+    for name in ("guided_regex", "guided_grammar"):
+        value = getattr(params, name)
+        if value is not None and (not isinstance(value, str) or not value):
+            raise InvalidArgument(name, f"{name} must be a non-empty string, got {shown(value)}")
+    choice = params.guided_choice
+    if choice is not None and (not isinstance(choice, tuple) or not choice or not all(
+            isinstance(c, str) and c for c in choice)):
+        raise InvalidArgument("guided_choice", f"guided_choice must be a non-empty list of "
+                                               f"non-empty strings, got {shown(choice)}")
+
+
 def check_sampling_fields(params: Any) -> None:
     """Every field of a `SamplingParams` (duck-typed, so this module imports nothing of it)."""
     check_max_tokens(params.max_tokens)
@@ -233,6 +258,7 @@ def check_sampling_fields(params: Any) -> None:
     if not isinstance(params.ignore_eos, bool):
         raise InvalidArgument("ignore_eos", f"ignore_eos must be a bool, "
                                             f"got {shown(params.ignore_eos)}")
+    check_guided_fields(params)
 
 
 def check_prompt(prompt_ids: Sequence[Any], vocab_size: int, max_len: int,

@@ -64,7 +64,8 @@ def time_generation_steps(engine: Engine, batch_size: int, widths: Sequence[int]
     tables = [list(1 + (i * blocks + np.arange(blocks)) % total) for i in range(batch_size)]
     batches = []
     for width in widths:
-        batch = empty_batch(rows, width, ex.blocks_per_seq, ex.spare_slot)
+        batch = empty_batch(rows, width, ex.blocks_per_seq, ex.spare_slot,
+                            ex.mask_shape(width, "generation"))
         for i in range(batch_size):
             set_row(batch, i, run=[0] * width, start_pos=start_pos, slot=i, blocks=tables[i],
                     max_len=10**6)

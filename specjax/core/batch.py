@@ -44,6 +44,9 @@ class StepBatch:
     repetition_penalty: jax.Array | None = None
     frequency_penalty: jax.Array | None = None
     presence_penalty: jax.Array | None = None
+    # [B, R, W] int32: structured output's packed token masks (`specjax.core.logits`), one
+    # per verified position (prefill: R = 1, the sampled one); all ones where unconstrained.
+    token_mask: jax.Array | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -72,8 +75,11 @@ class GenerationOutput:
     logprobs: Logprobs | None = None         # [B, D+1]: of new_tokens
 
 
-def empty_batch(rows: int, width: int, blocks_per_seq: int, spare_slot: int) -> StepBatch:
-    """A batch of `rows` padded rows (numpy arrays, filled in place by `set_row`)."""
+def empty_batch(rows: int, width: int, blocks_per_seq: int, spare_slot: int,
+                mask_shape: tuple[int, int] | None = None) -> StepBatch:
+    """A batch of `rows` padded rows (numpy arrays, filled in place by `set_row`); with
+    `mask_shape` (R, W), all-ones token masks `[rows, R, W]` (the host fills constrained rows:
+    `specjax.engine.grammar`)."""
     return StepBatch(
         tokens=np.zeros((rows, width), np.int32),
         start_pos=np.zeros(rows, np.int32),
@@ -94,6 +100,7 @@ def empty_batch(rows: int, width: int, blocks_per_seq: int, spare_slot: int) -> 
         repetition_penalty=np.ones(rows, np.float32),
         frequency_penalty=np.zeros(rows, np.float32),
         presence_penalty=np.zeros(rows, np.float32),
+        token_mask=None if mask_shape is None else np.full((rows,) + mask_shape, -1, np.int32),
     )
 
 
@@ -142,6 +149,8 @@ def set_row(batch: StepBatch, row: int, *, run: Sequence[int], start_pos: int,
 def clear_row(batch: StepBatch, row: int, spare_slot: int) -> None:
     """Make `row` padding again, e.g. after a `set_row` that raised part-way: the step then
     runs without it and the other rows are untouched."""
-    pad = empty_batch(1, batch.tokens.shape[1], batch.block_tables.shape[1], spare_slot)
+    pad = empty_batch(1, batch.tokens.shape[1], batch.block_tables.shape[1], spare_slot,
+                      None if batch.token_mask is None else batch.token_mask.shape[1:])
     for field in dataclasses.fields(pad):
-        getattr(batch, field.name)[row] = getattr(pad, field.name)[0]
+        if getattr(pad, field.name) is not None:
+            getattr(batch, field.name)[row] = getattr(pad, field.name)[0]

@@ -71,3 +71,25 @@ def apply_bias(logits: jax.Array, bias_ids: jax.Array | None,
         return (logits.astype(jnp.float32) + dense).astype(logits.dtype)
 
     return jax.lax.cond(jnp.any(bias_ids >= 0), add, lambda: logits)
+
+
+def mask_bits(mask: jax.Array, tokens: jax.Array) -> jax.Array:
+    """Whether packed masks `[..., W]` int32 allow `tokens` `[...]`: bit t % 32 of word t // 32."""
+    word = jnp.take_along_axis(mask, (tokens // 32)[..., None].astype(jnp.int32), axis=-1)[..., 0]
+    return ((word >> (tokens % 32)) & 1) == 1
+
+
+def apply_token_mask(logits: jax.Array, mask: jax.Array | None) -> jax.Array:
+    """logits `[B, R, V]` with the tokens each position's packed mask `[B, R, W]` forbids at
+    -inf (structured output). All-ones masks (unconstrained rows) change nothing, and a batch
+    of them skips the unpacking."""
+    if mask is None:
+        return logits
+    V = logits.shape[-1]
+
+    def masked():
+        bits = (mask[..., :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1   # [B, R, W, 32]
+        allowed = bits.reshape(mask.shape[:-1] + (-1,))[..., :V] == 1
+        return jnp.where(allowed, logits, -jnp.inf).astype(logits.dtype)
+
+    return jax.lax.cond(jnp.any(mask != -1), masked, lambda: logits)

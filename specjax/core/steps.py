@@ -30,7 +30,7 @@ from flax import nnx
 from specjax.core.accept import rejection_accept, strict_accept, target_tokens
 from specjax.core.batch import GenerationOutput, PrefillOutput, StepBatch
 from specjax.core.forward import last_rows, paged_forward
-from specjax.core.logits import apply_bias, maybe_logprobs
+from specjax.core.logits import apply_bias, apply_token_mask, mask_bits, maybe_logprobs
 from specjax.core.penalties import chain_context, penalize, record_generated, tree_context
 from specjax.core.sampling import sample, sampling_keys
 from specjax.core.sharding import TensorParallel
@@ -76,6 +76,19 @@ def clip_to_room(batch: StepBatch) -> StepBatch:
     return batch.replace(query_lens=jnp.where(batch.query_lens > 0, 1 + drafts, 0))
 
 
+def clip_to_mask(batch: StepBatch) -> StepBatch:
+    """Verify no draft past the first one the row's grammar forbids (structured output): row j
+    of `token_mask` is the mask after the drafts before draft j + 1, and the host computed
+    masks only that far."""
+    if batch.token_mask is None or batch.tokens.shape[1] == 1:
+        return batch
+    D = batch.tokens.shape[1] - 1
+    allowed = mask_bits(batch.token_mask[:, :D], batch.tokens[:, 1:])       # [B, D]
+    obeyed = jnp.sum(jnp.cumprod(allowed.astype(jnp.int32), axis=1), axis=1)
+    drafts = jnp.minimum(batch.query_lens - 1, obeyed)
+    return batch.replace(query_lens=jnp.where(batch.query_lens > 0, 1 + drafts, 0))
+
+
 def _capture_layers(worker: DraftWorker | None, save_layers: tuple[int, ...]) -> tuple[int, ...]:
     return worker.capture_layers if worker is not None else save_layers
 
@@ -108,8 +121,9 @@ def make_prefill_step(graphdef: nnx.GraphDef, worker: DraftWorker | None = None,
         model = nnx.merge(graphdef, params.target)
         kv_target, hidden, captured = paged_forward(model, state.target, batch, capture)
         raw = model.logits(last_rows(hidden, batch.query_lens))
-        logits = penalize(apply_bias(raw, batch.bias_ids, batch.bias_values)[:, None],
-                          state.penalties, batch)[:, 0]
+        logits = apply_token_mask(penalize(apply_bias(raw, batch.bias_ids, batch.bias_values)
+                                           [:, None], state.penalties, batch),
+                                  batch.token_mask)[:, 0]
         keys = sampling_keys(batch.seeds, batch.start_pos + batch.query_lens)
         tokens = sample(logits, batch.temperature, batch.top_k, batch.top_p, batch.min_p, keys)
         run, num_drafts, kv_draft = tokens[:, None], jnp.zeros_like(tokens), state.draft
@@ -177,12 +191,13 @@ def make_generation_step(graphdef: nnx.GraphDef, worker: DraftWorker | None = No
         D = batch.tokens.shape[1] - 1
         if runs_on_device(worker, D, suffix):
             batch = runs_from_slots(batch, state.slots, D)
-        batch = clip_to_room(batch)
+        batch = clip_to_mask(clip_to_room(batch))
         model = nnx.merge(graphdef, params.target)
         kv_target, hidden, captured = paged_forward(model, state.target, batch, capture)
         raw = model.logits(hidden)
-        logits = penalize(apply_bias(raw, batch.bias_ids, batch.bias_values), state.penalties,
-                          batch, batch.tokens, chain_context(D + 1))
+        logits = apply_token_mask(
+            penalize(apply_bias(raw, batch.bias_ids, batch.bias_values), state.penalties,
+                     batch, batch.tokens, chain_context(D + 1)), batch.token_mask)
         # Decided by shapes: without draft distributions acceptance fails closed to strict.
         draft_probs = state.slots.draft_probs
         rejection = draft_probs is not None and D > 0
@@ -249,8 +264,11 @@ def tree_generation(graphdef: nnx.GraphDef, worker: DraftWorker, suffix: SuffixS
                                                 worker.capture_layers, layout)
     positions = batch.start_pos[:, None] + layout.depths
     raw = model.logits(hidden)
-    logits = penalize(apply_bias(raw, batch.bias_ids, batch.bias_values), state.penalties,
-                      batch, batch.tokens, tree_context(layout.ancestors))
+    # A node the grammar forbids is never accepted (its parent's masked token is never it),
+    # so a tree needs its nodes' masks but no cut.
+    logits = apply_token_mask(
+        penalize(apply_bias(raw, batch.bias_ids, batch.bias_values), state.penalties, batch,
+                 batch.tokens, tree_context(layout.ancestors)), batch.token_mask)
     targets = target_tokens(logits, positions, batch.temperature, batch.top_k, batch.top_p,
                             batch.min_p, batch.seeds)
     new_tokens, lens, path = tree_accept(batch.tokens, parents, layout, targets, depth)

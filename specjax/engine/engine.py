@@ -32,6 +32,7 @@ from specjax.core.steps import runs_on_device
 from specjax.engine.allocator import BlockAllocator
 from specjax.engine.bookkeeper import Bookkeeper, DispatchedStep, GenerationRow
 from specjax.engine.executor import Executor, bucket, power_of_two_buckets
+from specjax.engine.grammar import Grammars
 from specjax.engine.hidden_states import HiddenStateRecorder
 from specjax.engine.output import OutputProcessor, logprob_entries
 from specjax.engine.prefix_cache import PrefixCachePolicy, pool_lookahead, rewrites_committed
@@ -44,7 +45,7 @@ from specjax.speculative.build import build_speculation
 from specjax.speculative.config import SpeculativeConfig
 from specjax.speculative.defaults import resolve_auto
 from specjax.tokenizer import Tokenizer
-from specjax.validation import check_draft_tokens, check_request
+from specjax.validation import InvalidArgument, check_draft_tokens, check_request
 
 log = logging.getLogger("specjax.engine")
 
@@ -170,6 +171,9 @@ class Engine:
                                    config.max_prefill_rows, D, spec.drafts_in_step,
                                    on_preempt=self._on_preempt, verify_len=spec.verify_len,
                                    prefix_cache=self.prefix_cache)
+        # Structured output needs the tokenizer: grammars are compiled against its vocabulary.
+        self.grammars = (None if tokenizer is None else
+                         Grammars(tokenizer, mc.vocab_size, mc.eos_token_ids))
         graphdef, params = split_model(model, spec.draft_model, fused=tp is None)
         make_state = lambda: init_state(mc, num_slots=config.max_batch_size,
                                         num_blocks=num_blocks, tokens_per_block=bs,
@@ -181,7 +185,8 @@ class Engine:
                                  save_layers=spec.save_layers, blocks_per_seq=blocks_per_seq,
                                  decode_buckets=config.decode_buckets,
                                  prefill_chunk=config.prefill_chunk,
-                                 max_prefill_rows=config.max_prefill_rows, tp=tp)
+                                 max_prefill_rows=config.max_prefill_rows, tp=tp,
+                                 grammars=self.grammars, stats=self.stats)
         self.bookkeeper = Bookkeeper(self.allocator, self.stats, spec.rewinds, self.gate,
                                      self.recorder)
         self.outputs = OutputProcessor(mc.eos_token_ids, tokenizer, self.stats)
@@ -264,6 +269,12 @@ class Engine:
         of `specjax.validation`, shared with `SamplingParams` and the server)."""
         check_request(prompt_ids, params, SamplingParams, self.model_config.vocab_size,
                       self.max_len)
+        if params.guided is not None:
+            if self.grammars is None:
+                raise InvalidArgument(params.guided, f"{params.guided} needs the model's "
+                                                     "tokenizer: this engine was built without "
+                                                     "one")
+            self.grammars.check(params)
 
     def add_request(self, prompt_ids: Sequence[int], params: SamplingParams) -> int:
         self.validate(prompt_ids, params)
@@ -272,6 +283,8 @@ class Engine:
         seed = params.seed if params.seed is not None else int(self._seed_rng.integers(2**32))
         request = Request(request_id, [int(t) for t in prompt_ids], params, seed,
                           max_len=min(self.max_len, len(prompt_ids) + params.max_tokens))
+        if params.guided is not None:
+            request.grammar = self.grammars.matcher(params)
         self.requests[request_id] = request
         self.scheduler.waiting.append(request)
         return request_id
@@ -317,15 +330,22 @@ class Engine:
     def _run(self, prefill: list[tuple[Request, int]], rows: list[GenerationRow],
              draft_len: int) -> None:
         """Dispatch this iteration's steps and apply the results that are due."""
-        prefill_out = dispatched = None
+        prefill_out = dispatched = drafts = None
+        if (rows and draft_len and self.grammars is not None
+                and runs_on_device(self.worker, draft_len, self.speculation.suffix)
+                and any(r.request.grammar is not None for r in rows)):
+            t0 = time.perf_counter()   # the drafts constrained rows verify, for their masks
+            drafts = self.executor.slot_drafts()
+            self.stats.mask_time += time.perf_counter() - t0
         if prefill:
             prefill_out, failed = self.executor.launch_prefill(prefill)
             self._fail_all(failed, "preparing its prompt-chunk row")
         if rows:
             dispatched, failed = self.executor.launch_generation(
-                rows, draft_len, self.speculation.verify_len(draft_len))
+                rows, draft_len, self.speculation.verify_len(draft_len), drafts)
             self._fail_all(failed, "preparing its generation row")
-        overlap = self._overlaps(draft_len)
+        # A constrained row's next masks need this step's tokens: its step is read at once.
+        overlap = self._overlaps(draft_len) and not any(r.request.grammar for r in rows)
         previous = self.executor.take_inflight()
         self.executor.inflight = dispatched if overlap else None
         if previous is not None:  # read step N while step N+1 runs
@@ -361,8 +381,10 @@ class Engine:
         draft length."""
         candidates = self.scheduler.generation_candidates()
         draft_len = self.draft_len_for(len(candidates)) if candidates else 0
-        if not runs_on_device(self.worker, draft_len, self.speculation.suffix):
-            self._drain()  # a host drafter needs every token so far
+        if (not runs_on_device(self.worker, draft_len, self.speculation.suffix)
+                or any(r.grammar is not None for r in candidates)):
+            # A host drafter needs every token so far, and so does a grammar's next masks.
+            self._drain()
             candidates = [r for r in candidates if r.status is Status.RUNNING]
         reserve = self.scheduler.reserve_for(draft_len)
         unread = self.executor.unread_advance

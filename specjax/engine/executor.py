@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import time
 from typing import Callable
 
 import jax
@@ -21,14 +22,16 @@ from specjax.core.batch import PrefillOutput, clear_row, empty_batch, set_row
 from specjax.core.penalties import start_penalties
 from specjax.core.sharding import TensorParallel
 from specjax.core.state import EngineState, Params
-from specjax.core.steps import make_generation_step, make_prefill_step
+from specjax.core.steps import make_generation_step, make_prefill_step, runs_on_device
 from specjax.core.suffix import SuffixSpec, start_history
 from specjax.core.worker import DraftWorker
 from specjax.engine.allocator import BlockAllocator
 from specjax.engine.bookkeeper import DispatchedStep, GenerationRow
 from specjax.engine.distributed import Channel, is_leader
+from specjax.engine.grammar import Grammars, mask_width
 from specjax.engine.progress import tqdm
 from specjax.engine.request import Request
+from specjax.engine.stats import EngineStats
 
 log = logging.getLogger("specjax.engine")
 Failed = list[tuple[Request, Exception]]   # rows that could not be prepared, with the error
@@ -52,8 +55,11 @@ class Executor:
                  allocator: BlockAllocator, *, worker: DraftWorker | None,
                  save_layers: tuple[int, ...], blocks_per_seq: int,
                  decode_buckets: tuple[int, ...], prefill_chunk: int, max_prefill_rows: int,
-                 suffix: SuffixSpec | None = None, tp: TensorParallel | None = None):
+                 suffix: SuffixSpec | None = None, tp: TensorParallel | None = None,
+                 grammars: Grammars | None = None, stats: EngineStats | None = None):
         self.tp = tp
+        self.stats = stats
+        self.worker, self.suffix, self.grammars = worker, suffix, grammars
         if tp is None:
             # Everything the steps take lives on one device, committed: a jitted step's
             # signature includes whether each argument is committed, so a mix (a head trained
@@ -106,17 +112,27 @@ class Executor:
                          request.token_at(end) if end < request.num_tokens else -1))
         return self._launch("prefill", runs, self.prefill_chunk, self.prefill_buckets)
 
+    def mask_shape(self, width: int, kind: str) -> tuple[int, int] | None:
+        """Token masks of a batch: one per verified position (prefill: the sampled one)."""
+        if self.grammars is None:
+            return None
+        return (1 if kind == "prefill" else width, mask_width(self.grammars.vocab_size))
+
     def launch_generation(self, rows: list[GenerationRow], draft_len: int,
-                          verify_len: int | None = None) -> tuple[DispatchedStep, Failed]:
+                          verify_len: int | None = None, slot_drafts=None
+                          ) -> tuple[DispatchedStep, Failed]:
         """[newest token, host drafts] per row (steps that read runs from the device take them
         from slot state); each request remembers this step's reservation and largest advance.
         `verify_len`: drafts verified after the newest token (a tree's nodes; default
-        `draft_len`). Returns the step and the rows that could not be prepared."""
+        `draft_len`); `slot_drafts`: constrained rows' device drafts (`slot_drafts()`, read
+        before the step's prompt chunks). Returns the step and the rows that could not be
+        prepared."""
         verify_len = draft_len if verify_len is None else verify_len
         runs = [(row.request, [row.request.last_token] + row.request.draft_tokens[:row.drafted],
                  -1) for row in rows]
         self._step_id += 1
-        out, failed = self._launch("generation", runs, verify_len + 1, self.decode_buckets)
+        out, failed = self._launch("generation", runs, verify_len + 1, self.decode_buckets,
+                                   slot_drafts)
         step = DispatchedStep(self._step_id, rows, draft_len, out, verify_len)
         for row in rows:
             request = row.request
@@ -125,11 +141,11 @@ class Executor:
         return step, failed
 
     def _launch(self, kind: str, runs: list[tuple[Request, list[int], int]], width: int,
-                buckets: tuple[int, ...]):
+                buckets: tuple[int, ...], slot_drafts=None):
         """Row i of the batch is runs[i]; a run whose row cannot be written stays padding (it
         computes nothing and its outputs are ignored) and is returned with its error."""
         batch = empty_batch(bucket(len(runs), buckets), width, self.blocks_per_seq,
-                            self.spare_slot)
+                            self.spare_slot, self.mask_shape(width, kind))
         failed: Failed = []
         for i, (request, run, next_token) in enumerate(runs):
             try:
@@ -146,10 +162,70 @@ class Executor:
             except Exception as e:
                 clear_row(batch, i, self.spare_slot)
                 failed.append((request, e))
+        if batch.token_mask is not None:
+            t0 = time.perf_counter()
+            failed += self._fill_masks(batch, kind, runs, {id(r) for r, _ in failed},
+                                       slot_drafts)
+            if self.stats is not None:
+                self.stats.mask_time += time.perf_counter() - t0
         out = self._update("step", kind, batch)
         for leaf in jax.tree.leaves(out):  # start the small device->host copies now, unblocked
             leaf.copy_to_host_async()
         return out, failed
+
+    def slot_drafts(self) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """The drafts the device holds for the next generation step: slot state's runs
+        `[S+1, D_max+1]`, draft counts and (trees) parents, on the host. Read before this
+        iteration's prompt chunks are dispatched, so it waits for no step."""
+        slots = self.state.slots
+        read = lambda x: np.asarray(x.addressable_data(0))
+        return (read(slots.run), read(slots.num_drafts),
+                None if slots.tree_parents is None else read(slots.tree_parents))
+
+    def _fill_masks(self, batch, kind: str, runs, failed: set[int], slot_drafts) -> Failed:
+        """Structured output: each constrained row's token masks (`specjax.engine.grammar`),
+        after its committed output and along the drafts it verifies -- the host's, or the
+        ones the device holds (`slot_drafts`: constrained rows never leave a step in flight,
+        so slot state holds exactly what the step will verify). A row whose masks cannot be
+        computed becomes padding and fails alone."""
+        rows = [(i, request) for i, (request, _, next_token) in enumerate(runs)
+                if request.grammar is not None and id(request) not in failed
+                and (kind == "generation" or next_token < 0)]
+        if not rows:
+            return []
+        D = batch.tokens.shape[1] - 1
+        device = (kind == "generation" and D > 0
+                  and runs_on_device(self.worker, D, self.suffix))
+        if device:
+            run, num, parents = slot_drafts or self.slot_drafts()
+        chains, errors = [], []
+        for i, request in rows:
+            try:
+                if kind == "prefill":
+                    drafts = []
+                elif not device:
+                    drafts = runs[i][1][1:]
+                else:
+                    slot = request.slot
+                    drafts = run[slot, 1:1 + min(int(num[slot]), D)].tolist()
+                    if parents is not None:
+                        self.grammars.fill_tree(batch.token_mask, i, request.grammar, drafts,
+                                                parents[slot, :len(drafts)].tolist())
+                        continue
+                chains.append((i, request.grammar, drafts))
+            except Exception as e:
+                errors.append((i, request, e))
+        try:
+            self.grammars.fill(batch.token_mask, chains)
+        except Exception:  # the batch call failed: find out whose row did, one by one
+            for i, grammar, drafts in chains:
+                try:
+                    self.grammars.fill(batch.token_mask, [(i, grammar, drafts)])
+                except Exception as e:
+                    errors.append((i, runs[i][0], e))
+        for i, request, _ in errors:
+            clear_row(batch, i, self.spare_slot)
+        return [(request, e) for _, request, e in errors]
 
     # -- device updates: the only code that changes the state -------------------------------
 
@@ -258,5 +334,6 @@ class Executor:
                   + [("generation", rows, width) for rows, width in sorted(generation_widths)])
         for kind, rows, width in tqdm(shapes, desc="specjax warm-up", disable=not progress,
                                       leave=False):
-            batch = empty_batch(rows, width, self.blocks_per_seq, self.spare_slot)
+            batch = empty_batch(rows, width, self.blocks_per_seq, self.spare_slot,
+                                self.mask_shape(width, kind))
             jax.block_until_ready(self._update("step", kind, batch))

@@ -1,7 +1,7 @@
 """From a step's tokens to a request's output: stop conditions and text.
 
-Tokens are appended one at a time and the first stop condition ends the request -- EOS (unless
-`ignore_eos`), a stop token id, a stop string, the length limit; the rest of an accepted run
+Tokens are appended one at a time and the first stop condition ends the request -- a
+structured-output grammar that is complete, EOS (unless `ignore_eos`), a stop token id, a stop string, the length limit; the rest of an accepted run
 is dropped with the request's blocks. Stop strings are looked for in text decoded
 incrementally (`tokenizers`' streaming decoder), only where a new piece could complete one, so
 a request costs time linear in its length however long it runs.
@@ -71,6 +71,13 @@ class OutputProcessor:
                 request.logprobs.append(logprobs[i])
             stats.num_generated_tokens += 1
             self.stats.num_generated_tokens += 1
+            grammar = request.grammar
+            if grammar is not None:
+                if not grammar.advance(token):
+                    raise RuntimeError(f"token {token} breaks the request's grammar: "
+                                       f"{grammar.error()}")
+                if grammar.done:  # nothing more may follow (at most EOS): the output is whole
+                    return "stop"
             if (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids:
                 return "stop"
             if p.stop and self.tokenizer is not None and self._stop_string(request, token):

@@ -5,6 +5,7 @@ import dataclasses
 import enum
 import time
 
+from specjax.engine.grammar import Grammar
 from specjax.sampling_params import SamplingParams
 
 
@@ -115,6 +116,7 @@ class Request:
     status: Status = Status.WAITING
     slot: int | None = None
     draft_tokens: list[int] = dataclasses.field(default_factory=list)
+    grammar: Grammar | None = None  # structured output: the state after the output so far
     latest_step: int = 0          # id of the newest generation step dispatched for it
     latest_reserve: int = 0       # positions that step may write past the newest token
     latest_advance: int = 0       # tokens that step may add

@@ -54,6 +54,7 @@ class EngineStats:
     accepted_draft_tokens: int = 0
     drafted_tokens: int = 0           # drafts verified (the acceptance-rate denominator)
     draft_time: float = 0.0           # host drafter time (in-step drafters are inside step_time)
+    mask_time: float = 0.0            # host time computing structured output's token masks
     step_time: float = 0.0
     num_preemptions: int = 0          # requests sent back to the queue to free KV blocks
     num_failed_requests: int = 0      # finished with "error" (their own fault, or the device)

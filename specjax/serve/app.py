@@ -107,7 +107,8 @@ class Server:
         self.max_len = engine.max_len
         self.max_tokens_cap = min(settings.max_tokens_cap or self.max_len, self.max_len)
         self.prepare = RequestPreparer(self.tokenizer, chat_template, settings.model_names,
-                                       self.vocab_size, self.max_len, self.max_tokens_cap)
+                                       self.vocab_size, self.max_len, self.max_tokens_cap,
+                                       engine.grammars)
         self.metrics = ServerMetrics()
         self.engine_thread = EngineThread(engine, settings.max_queue,
                                           on_finished=self.metrics.observe_finished)

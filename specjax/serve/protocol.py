@@ -22,7 +22,8 @@ from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, 
 from specjax.engine.request import RequestOutput
 from specjax.sampling_params import SamplingParams
 from specjax.serve.logprobs import TokenLogprob, TokenTexts, chat_logprobs, completion_logprobs
-from specjax.validation import (MAX_LOGIT_BIAS, MAX_LOGPROBS, UINT32_MAX, InvalidArgument,
+from specjax.validation import (GUIDED_FIELDS, MAX_LOGIT_BIAS, MAX_LOGPROBS, UINT32_MAX,
+                                InvalidArgument,
                                 check_int, check_logprobs, check_max_tokens,
                                 check_stop, check_temperature, check_unsupported, shown)
 
@@ -81,6 +82,12 @@ class GenerationRequest(_Strict):
     presence_penalty: Number | None = None
     frequency_penalty: Number | None = None
     repetition_penalty: Number | None = None        # extension (vLLM)
+    # Structured output: OpenAI's response_format, and vLLM's guided_* extensions.
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | StrictStr | None = None
+    guided_regex: StrictStr | None = None
+    guided_choice: list[StrictStr] | None = None
+    guided_grammar: StrictStr | None = None
 
     def unsupported(self) -> dict[str, tuple[Any, tuple]]:
         """{field: (value, allowed values)} for the options the engine cannot honour."""
@@ -128,10 +135,38 @@ class GenerationRequest(_Strict):
             min_p=0.0 if self.min_p is None else self.min_p, seed=self.seed, stop=tuple(stop),
             stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=bool(self.ignore_eos),
             logit_bias=parse_logit_bias(self.logit_bias), **self.logprob_fields(),
+            **self.guided_fields(),
             **{name: value for name, value in (
                 ("presence_penalty", self.presence_penalty),
                 ("frequency_penalty", self.frequency_penalty),
                 ("repetition_penalty", self.repetition_penalty)) if value is not None})
+
+    def guided_fields(self) -> dict[str, Any]:
+        """SamplingParams' structured-output field: from `response_format` ({"type": "text"},
+        "json_object", or "json_schema" with its "schema") or a guided_* extension (one)."""
+        fields = {name: value for name in GUIDED_FIELDS
+                  if (value := getattr(self, name)) is not None}
+        fmt = self.response_format
+        if fmt is None:
+            return fields
+        kind = fmt.get("type")
+        if kind == "text":
+            return fields
+        if fields:
+            raise InvalidArgument("response_format", f"response_format and {next(iter(fields))} "
+                                                     "were both given; send one constraint")
+        if kind == "json_object":
+            return {"guided_json": True}
+        if kind == "json_schema":
+            spec = fmt.get("json_schema")
+            schema = spec.get("schema") if isinstance(spec, dict) else None
+            if not isinstance(schema, dict):
+                raise InvalidArgument("response_format", "response_format of type json_schema "
+                                                         "needs json_schema.schema, a JSON "
+                                                         "schema object")
+            return {"guided_json": schema}
+        raise InvalidArgument("response_format", f"response_format type must be text, "
+                                                 f"json_object or json_schema, got {shown(kind)}")
 
     @property
     def include_usage(self) -> bool:
@@ -210,15 +245,13 @@ class ChatCompletionRequest(GenerationRequest):
     parallel_tool_calls: StrictBool | None = None
     functions: list[Any] | None = None
     function_call: Any = None
-    response_format: dict[str, Any] | None = None
 
     def unsupported(self) -> dict[str, tuple[Any, tuple]]:
         return {**super().unsupported(),
                 "tools": (self.tools, (None, [])),
                 "tool_choice": (self.tool_choice, (None, "none")),
                 "functions": (self.functions, (None, [])),
-                "function_call": (self.function_call, (None, "none")),
-                "response_format": (self.response_format, (None, {"type": "text"}))}
+                "function_call": (self.function_call, (None, "none"))}
 
     def logprob_fields(self) -> dict[str, int | None]:
         if self.top_logprobs is not None:

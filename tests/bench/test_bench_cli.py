@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 
 from specjax.analysis import at_least
-from specjax.bench import decode, spec
+from specjax.bench import decode, spec, structured
 from specjax.bench.__main__ import MODULES, build_parser, main, summary
 from specjax.bench.table import Column, Table
 from specjax.speculative.defaults import shipped_configs
@@ -337,3 +337,21 @@ def test_acceptance_per_depth_sums_the_runs_histograms():
     ar = at_least(spec.merged([[1, 2, 0, 1], [0, 0, 1]]), depth=4)
     assert ar == pytest.approx([4 / 5, 2 / 5, 1 / 5, 0.0])
     assert at_least(spec.merged([]), depth=2) == [0.0, 0.0]
+
+
+def test_structured_rejects_bad_sizes_before_loading(monkeypatch):
+    _stub_loading(monkeypatch, structured)
+    with pytest.raises(SystemExit) as exc:
+        main(["structured", "--batch-size", "0"])
+    assert "--batch-size and --repeats must be >= 1" in str(exc.value.code)
+
+
+@pytest.mark.slow
+def test_structured_prints_both_methods_and_the_mask_share(capsys):
+    main(["structured", "--batch-size", "2", "--repeats", "1", "--max-draft-len", "2"])
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith(("plain", "EAGLE-3 D=2"))]
+    assert len(rows) == 2, out
+    # constrained tok/s, AL and the mask share are figures, not blanks
+    assert all(row.split()[-1].endswith("%") for row in rows), out
+    assert "speedup of EAGLE-3 over plain" in out

@@ -131,6 +131,9 @@ def test_models_health_and_model_alias(server, client):
 LONG = list(range(1, 201))   # 200 tokens: the context holds 128
 LONG_TEXT = "x " * 300
 BAD_COMPLETIONS = [
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "x"}}}},
+     "guided_json"),
+    ({"guided_regex": "[a-", "max_tokens": 4}, "guided_regex"),
     ({"max_tokens": "5"}, "max_tokens"),
     ({"max_tokens": 0}, "max_tokens"),
     ({"max_tokens": -3}, "max_tokens"),
@@ -203,7 +206,13 @@ BAD_CHATS = [
     ({"n": 129}, "n"),
     ({"logit_bias": {"a": 1}}, "logit_bias"),
     ({"logit_bias": {"1": -100.5}}, "logit_bias"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"response_format": {"type": "json_object", "x": 1}, "guided_regex": "a"}, "response_format"),
+    ({"response_format": {"type": "json_schema"}}, "response_format"),
+    ({"response_format": {"type": "xml"}}, "response_format"),
+    ({"guided_regex": "(", "max_tokens": 4}, "guided_regex"),
+    ({"guided_json": {"type": "strin"}}, "guided_json"),
+    ({"guided_choice": []}, "guided_choice"),
+    ({"guided_choice": ["a"], "guided_regex": "a"}, "guided_choice"),
     ({"max_completion_tokens": 0}, "max_completion_tokens"),
     ({"max_tokens": 101}, "max_tokens"),
 ]

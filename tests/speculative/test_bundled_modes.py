@@ -7,6 +7,7 @@ import specjax
 from specjax import (DFlashConfig, DraftTargetConfig, EagleConfig, MTPConfig, NGramConfig,
                      PARDConfig, SAConfig, SamplingParams, UserProvidedConfig)
 from specjax.models.registry import CHECKPOINTS_DIR
+from specjax.bench.structured import CHOICES, REGEXES, SCHEMAS
 from tests.spec_checks import assert_mixed_acceptance
 
 PROMPTS = ["def fibonacci(n):", "import os\n\n\ndef read_config(path):\n", "class Stack:\n"]
@@ -19,6 +20,14 @@ OPTIONS = [SamplingParams(max_tokens=24, logprobs=3, presence_penalty=0.8),
                           repetition_penalty=1.3, logit_bias={10: 3.0, 300: -2.0}),
            SamplingParams(max_tokens=24, logprobs=2, prompt_logprobs=2, repetition_penalty=1.5)]
 LOGPROB_TOL = 1e-5
+# Structured output beside an unconstrained row: masks at every verified position, drafts cut
+# where the grammar forbids them (specjax.engine.grammar).
+GUIDED = [SamplingParams(max_tokens=64, guided_json=SCHEMAS[0]),
+          SamplingParams(max_tokens=24, guided_regex=REGEXES[1]),
+          SamplingParams(max_tokens=24),
+          SamplingParams(max_tokens=64, guided_json=SCHEMAS[-1]),
+          SamplingParams(max_tokens=16, guided_choice=CHOICES[1])]
+GUIDED_PROMPTS = [PROMPTS[i % len(PROMPTS)] for i in range(len(GUIDED))]
 
 
 class Repeat(specjax.Drafter):
@@ -43,7 +52,9 @@ def plain():
     options = llm.generate(PROMPTS, OPTIONS)
     # The options change the output: the equality below is not plain greedy's again.
     assert all(a.token_ids != b.token_ids[:24] for a, b in zip(options, first))
-    return [o.token_ids for o in first], [o.token_ids for o in second], options
+    guided = llm.generate(GUIDED_PROMPTS, GUIDED)
+    assert all(o.finish_reason == "stop" for o in guided[:2] + guided[3:]), guided
+    return [o.token_ids for o in first], [o.token_ids for o in second], options, guided
 
 
 def assert_same_logprobs(outs, plain_outs):
@@ -105,3 +116,8 @@ def test_bundled_greedy_equivalence(plain, config):
         accepted = lambda outs: [o.stats.num_accepted_draft_tokens for o in outs]
         assert accepted(second) == accepted(again)
     assert allocator.num_free_blocks == allocator.total_blocks
+    llm.reset_stats()
+    guided = llm.generate(GUIDED_PROMPTS, GUIDED)
+    assert [o.token_ids for o in guided] == [o.token_ids for o in plain[3]], (
+        [o.text for o in guided], [o.text for o in plain[3]])
+    assert llm.stats.drafted_tokens > 0
