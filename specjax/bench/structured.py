@@ -21,6 +21,7 @@ import time
 
 import jax
 
+from specjax.analysis import output_acceptance
 from specjax.bench.table import Column, Table
 from specjax.llm import LLM
 from specjax.sampling_params import SamplingParams
@@ -122,6 +123,7 @@ class Timed:
     seconds: float = float("inf")
     tokens: int = 0
     al: float | None = None
+    per_step: float = 0.0
     mask_share: float = 0.0
 
     @property
@@ -138,6 +140,7 @@ def timed(llm: LLM, prompts, params, best: Timed) -> list:
         stats = llm.stats
         best.seconds, best.tokens = seconds, sum(len(o.token_ids) for o in outs)
         best.al = stats.acceptance_length
+        best.per_step = output_acceptance(outs)["per_step"]
         best.mask_share = stats.mask_time / seconds
     return outs
 
@@ -151,7 +154,10 @@ def table() -> Table:
         Column("constr tok/s", "the constrained requests", 12, "{:.0f}"),
         Column("constr/free", "constrained tok/s / free tok/s", 11),
         Column("AL free", "acceptance length, unconstrained", 7),
-        Column("AL constr", "acceptance length, constrained (drafts cut by the grammar)", 9),
+        Column("AL constr", "acceptance length, constrained (over steps that verified a "
+               "draft the grammar allowed)", 9),
+        Column("tok/step", "tokens per decoding step after the first token, free / "
+               "constrained (steps whose drafts the grammar cut count too)", 11, "{}"),
         Column("mask share", "host time computing token masks / the constrained run's time",
                10, "{:.1%}"),
     ], notes=[("speedup", "EAGLE-3's tok/s / plain decoding's, per column")])
@@ -188,7 +194,8 @@ def run(args: argparse.Namespace) -> None:
     print("\n" + tab.header())
     for name, (f, nf, c) in results.items():
         print(tab.row(name, f.tps, nf.tps, c.tps, c.tps / f.tps, f.al or float("nan"),
-                      c.al or float("nan"), c.mask_share))
+                      c.al or float("nan"), f"{f.per_step:.2f}/{c.per_step:.2f}",
+                      c.mask_share))
     (pf, pnf, pc), (ef, enf, ec) = results.values()
     print(f"\nspeedup of EAGLE-3 over plain: free {ef.tps / pf.tps:.2f}x, no-overlap "
           f"{enf.tps / pnf.tps:.2f}x, constrained {ec.tps / pc.tps:.2f}x")

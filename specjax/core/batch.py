@@ -47,6 +47,10 @@ class StepBatch:
     # [B, R, W] int32: structured output's packed token masks (`specjax.core.logits`), one
     # per verified position (prefill: R = 1, the sampled one); all ones where unconstrained.
     token_mask: jax.Array | None = None
+    # [B] bool: the row's run is the host's even where runs come from slot state (a
+    # constrained row's drafts that its grammar forces); its drafts are accepted by strict
+    # matching (they have no draft distribution).
+    host_runs: jax.Array | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -101,6 +105,7 @@ def empty_batch(rows: int, width: int, blocks_per_seq: int, spare_slot: int,
         frequency_penalty=np.zeros(rows, np.float32),
         presence_penalty=np.zeros(rows, np.float32),
         token_mask=None if mask_shape is None else np.full((rows,) + mask_shape, -1, np.int32),
+        host_runs=None if mask_shape is None else np.zeros(rows, bool),
     )
 
 

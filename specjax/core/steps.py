@@ -61,11 +61,16 @@ def runs_on_device(worker: DraftWorker | None, draft_len: int,
 
 def runs_from_slots(batch: StepBatch, slots: SlotState, D: int) -> StepBatch:
     """Take each row's run from slot state: its newest token and up to D of its drafts. Rows
-    the host marked real (query_lens > 0) stay real; padded rows stay empty."""
+    the host marked real (query_lens > 0) stay real; padded rows stay empty; rows marked
+    `host_runs` keep the run the host wrote."""
     drafts = jnp.minimum(slots.num_drafts[batch.slots], D)
-    return batch.replace(tokens=slots.run[batch.slots, :D + 1],
-                         start_pos=slots.start[batch.slots],
-                         query_lens=jnp.where(batch.query_lens > 0, 1 + drafts, 0))
+    tokens = slots.run[batch.slots, :D + 1]
+    query_lens = jnp.where(batch.query_lens > 0, 1 + drafts, 0)
+    if batch.host_runs is not None:  # rows whose run the host wrote keep it
+        tokens = jnp.where(batch.host_runs[:, None], batch.tokens, tokens)
+        query_lens = jnp.where(batch.host_runs, batch.query_lens, query_lens)
+    return batch.replace(tokens=tokens, start_pos=slots.start[batch.slots],
+                         query_lens=query_lens)
 
 
 def clip_to_room(batch: StepBatch) -> StepBatch:
@@ -206,6 +211,8 @@ def make_generation_step(graphdef: nnx.GraphDef, worker: DraftWorker | None = No
         by_rejection = batch.temperature > 0 if rejection else jnp.zeros(batch.slots.shape, bool)
         if rejection and state.slots.strict is not None:
             by_rejection = by_rejection & ~state.slots.strict[batch.slots]
+        if rejection and batch.host_runs is not None:
+            by_rejection = by_rejection & ~batch.host_runs
         strict_temperature = jnp.where(by_rejection, 0.0, batch.temperature)
         positions = batch.start_pos[:, None] + jnp.arange(D + 1)
         targets = target_tokens(logits, positions, strict_temperature,

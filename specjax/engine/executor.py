@@ -204,7 +204,7 @@ class Executor:
                 if kind == "prefill":
                     drafts = []
                 elif not device:
-                    drafts = runs[i][1][1:]
+                    drafts = list(runs[i][1][1:])
                 else:
                     slot = request.slot
                     drafts = run[slot, 1:1 + min(int(num[slot]), D)].tolist()
@@ -212,6 +212,14 @@ class Executor:
                         self.grammars.fill_tree(batch.token_mask, i, request.grammar, drafts,
                                                 parents[slot, :len(drafts)].tolist())
                         continue
+                forced = request.grammar.forced(D) if kind == "generation" else []
+                if len(forced) > len(drafts) or (forced and drafts[:1] != forced[:1]):
+                    # The grammar's own continuation replaces the drafter's, which knows
+                    # nothing of the grammar (verified like any draft, by strict matching).
+                    drafts = forced
+                    batch.tokens[i, 1:1 + len(forced)] = forced
+                    batch.query_lens[i] = 1 + len(forced)
+                    batch.host_runs[i] = True
                 chains.append((i, request.grammar, drafts))
             except Exception as e:
                 errors.append((i, request, e))

@@ -14,6 +14,9 @@ computed only as far as the drafts obey the grammar; the first forbidden draft e
 The matcher advances only on tokens that were emitted (`Grammar.advance`), so nothing needs
 undoing after acceptance: llguidance computes the draft masks by consuming the drafts and
 rolling back to the committed prefix (`fill_next_token_bitmask_par_with_draft_tokens`).
+Where the grammar forces the next tokens (`Grammar.forced`), they replace a drafter's drafts
+that disagree (drafters know nothing of the grammar): the executor writes them into the row
+(`StepBatch.host_runs`) and the step verifies them by strict matching.
 
 JSON schemas compile with fixed separators (", " and ": ", as `json.dumps` writes them) and no
 free whitespace: a model may not pad the output with whitespace forever, and greedy output is
@@ -72,6 +75,12 @@ class Grammar:
         """Consume an emitted token; False if the grammar forbids it (a bug upstream: masks
         forbid every such token)."""
         return self.matcher.consume_token(int(token))
+
+    def forced(self, limit: int) -> list[int]:
+        """Up to `limit` tokens the grammar forces next (the bytes it admits one way only, as
+        llguidance tokenises them): drafts that verification accepts unless the target
+        spells the same text otherwise."""
+        return self.matcher.compute_ff_tokens()[:limit] if limit > 0 else []
 
     @property
     def done(self) -> bool:

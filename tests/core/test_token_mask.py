@@ -67,3 +67,20 @@ def test_drafts_are_cut_at_the_first_forbidden_one():
     padded = empty_batch(2, D + 1, 2, spare_slot=9, mask_shape=(D + 1, W))
     padded.token_mask[:] = 0   # padding stays padding whatever its masks say
     np.testing.assert_array_equal(np.asarray(clip_to_mask(padded).query_lens), [0, 0])
+
+
+def test_rows_the_host_wrote_keep_their_run_where_runs_come_from_slots():
+    from specjax.core.state import make_slot_state, write_slots
+    from specjax.core.steps import runs_from_slots
+    D = 3
+    slots = make_slot_state(2, D)
+    slots = write_slots(slots, jnp.asarray([0, 1]), jnp.asarray([[9, 1, 2, 3], [8, 4, 5, 6]]),
+                        jnp.asarray([20, 30]), jnp.asarray([3, 2]))
+    batch = empty_batch(2, D + 1, 2, spare_slot=2, mask_shape=(D + 1, W))
+    set_row(batch, 0, run=[9, 7], start_pos=20, blocks=[1], slot=0, max_len=99)
+    set_row(batch, 1, run=[8], start_pos=30, blocks=[2], slot=1, max_len=99)
+    batch.host_runs[0] = True
+    out = runs_from_slots(batch, slots, D)
+    np.testing.assert_array_equal(np.asarray(out.tokens), [[9, 7, 0, 0], [8, 4, 5, 6]])
+    np.testing.assert_array_equal(np.asarray(out.query_lens), [2, 3])
+    np.testing.assert_array_equal(np.asarray(out.start_pos), [20, 30])

@@ -148,3 +148,15 @@ def test_the_matchers_tokenizer_is_the_models(grammars, tok):
         ids = tok.encode(text)
         assert ll.decode_str(ids) == tok.decode(ids)
     assert isinstance(ll, llguidance.LLTokenizer) and ll.vocab_size == V
+
+
+def test_forced_tokens_spell_what_the_grammar_admits_one_way_only(grammars, tok):
+    g = grammars.matcher(SamplingParams(guided_json=SCHEMA))
+    assert g.advance(tok.encode("{")[0])
+    forced = g.forced(16)
+    # The first key is fixed (what follows may be tokenised several ways: left to the model).
+    assert tok.decode(forced) == '"name":' and len(forced) >= 2
+    assert g.forced(2) == forced[:2] and g.forced(0) == []
+    assert all(g.advance(t) for t in forced)      # and the grammar takes them
+    g = grammars.matcher(SamplingParams(guided_choice=["yes", "no"]))
+    assert g.forced(4) == []                       # a real choice: nothing forced

@@ -167,3 +167,20 @@ def test_sampled_output_follows_the_masked_target(eagle):
     # Judged against the target without the grammar's mask, the same tokens fail.
     probs, hits = exact_ranks(eagle, list(zip(outs, params)), ids, masked=False)
     assert abs(hits.sum() - probs.sum()) > bound, (hits.sum(), probs.sum(), bound)
+
+
+def test_tokens_the_grammar_forces_are_drafted_by_the_host(plain, eagle):
+    # One long choice: after its first token every token is forced. The drafter knows nothing
+    # of the grammar; the host drafts the forced tokens instead, and each step accepts them.
+    choice = ["os.path.join(base, name) if name else base"]
+    params = SamplingParams(max_tokens=40, guided_choice=choice)
+    llm, _ = plain
+    ref = llm.generate(PROMPTS[:2], params)
+    for temperature in (0.0, 1.0):
+        p = SamplingParams(max_tokens=40, guided_choice=choice, temperature=temperature, seed=3)
+        outs = eagle.generate(PROMPTS[:2], p)
+        assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
+        for out in outs:
+            assert out.text == choice[0]
+            assert out.stats.tokens_per_iteration > 2, out.stats   # plain decoding: 1
+            assert out.stats.acceptance_rate == 1, out.stats
