@@ -32,7 +32,7 @@ from specjax.core.steps import runs_on_device
 from specjax.engine.allocator import BlockAllocator
 from specjax.engine.bookkeeper import Bookkeeper, DispatchedStep, GenerationRow
 from specjax.engine.executor import Executor, bucket, power_of_two_buckets
-from specjax.engine.grammar import Grammars
+from specjax.engine.grammar import Grammars, check_guided
 from specjax.engine.hidden_states import HiddenStateRecorder
 from specjax.engine.output import OutputProcessor, logprob_entries
 from specjax.engine.prefix_cache import PrefixCachePolicy, pool_lookahead, rewrites_committed
@@ -45,7 +45,7 @@ from specjax.speculative.build import build_speculation
 from specjax.speculative.config import SpeculativeConfig
 from specjax.speculative.defaults import resolve_auto
 from specjax.tokenizer import Tokenizer
-from specjax.validation import InvalidArgument, check_draft_tokens, check_request
+from specjax.validation import check_draft_tokens, check_request
 
 log = logging.getLogger("specjax.engine")
 
@@ -269,12 +269,7 @@ class Engine:
         of `specjax.validation`, shared with `SamplingParams` and the server)."""
         check_request(prompt_ids, params, SamplingParams, self.model_config.vocab_size,
                       self.max_len)
-        if params.guided is not None:
-            if self.grammars is None:
-                raise InvalidArgument(params.guided, f"{params.guided} needs the model's "
-                                                     "tokenizer: this engine was built without "
-                                                     "one")
-            self.grammars.check(params)
+        check_guided(self.grammars, params)
 
     def add_request(self, prompt_ids: Sequence[int], params: SamplingParams) -> int:
         self.validate(prompt_ids, params)
@@ -345,7 +340,8 @@ class Engine:
                 rows, draft_len, self.speculation.verify_len(draft_len), drafts)
             self._fail_all(failed, "preparing its generation row")
         # A constrained row's next masks need this step's tokens: its step is read at once.
-        overlap = self._overlaps(draft_len) and not any(r.request.grammar for r in rows)
+        overlap = self._overlaps(draft_len) and not any(r.request.grammar is not None
+                                                            for r in rows)
         previous = self.executor.take_inflight()
         self.executor.inflight = dispatched if overlap else None
         if previous is not None:  # read step N while step N+1 runs

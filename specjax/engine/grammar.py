@@ -39,6 +39,17 @@ JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separ
 ANY_JSON_OBJECT = {"type": "object"}
 
 
+def check_guided(grammars: Grammars | None, params) -> None:
+    """A request's structured-output constraint compiles here, or InvalidArgument naming its
+    field (before any work starts: the engine and the server both call this)."""
+    if params.guided is None:
+        return
+    if grammars is None:
+        raise InvalidArgument(params.guided, f"{params.guided} needs the model's tokenizer: "
+                                             "this engine was built without one")
+    grammars.check(params)
+
+
 def mask_width(vocab_size: int) -> int:
     """int32 words per position's mask."""
     return (vocab_size + 31) // 32
@@ -102,9 +113,10 @@ class Grammars:
         self.tokenizer = llguidance.LLTokenizer(tokenizer.backend.to_str(), n_vocab=vocab_size,
                                                 eos_token=eos)
         self.executor = llguidance.LLExecutor()
+        # Per engine (a cache on the class would keep every engine's tokenizer alive).
+        self._compiled = functools.lru_cache(maxsize=256)(self._compile)
 
-    @functools.lru_cache(maxsize=256)
-    def _compiled(self, field: str, source: str) -> str:
+    def _compile(self, field: str, source: str) -> str:
         error = llguidance.LLMatcher.validate_grammar(source, self.tokenizer)
         if error and not error.startswith("WARNING"):
             raise InvalidArgument(field, f"{field} cannot be compiled: {error.strip()}"[:600])

@@ -21,7 +21,7 @@ import dataclasses
 from typing import Any, Sequence
 
 from specjax.sampling_params import SamplingParams
-from specjax.engine.grammar import Grammars
+from specjax.engine.grammar import Grammars, check_guided
 from specjax.serve.chat import ChatTemplate
 from specjax.serve.choices import Echo, prompt_offsets
 from specjax.serve.errors import APIError
@@ -180,8 +180,5 @@ class RequestPreparer:
             room = self.max_len - len(prompt_ids)   # >= 1: check_prompt made sure
             params = dataclasses.replace(params, max_tokens=min(params.max_tokens, room))
         check_request(prompt_ids, params, SamplingParams, self.vocab_size, self.max_len)
-        if params.guided is not None:
-            if self.grammars is None:
-                raise InvalidArgument(params.guided, "structured output is not available here")
-            self.grammars.check(params)
+        check_guided(self.grammars, params)
         return params
