@@ -35,6 +35,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from pallas_kernels import backend  # noqa: E402
+from pallas_kernels.ssm_scan import ssm_scan_kernel, ssm_scan_reference  # noqa: E402
 from pallas_kernels.kv_gather import (gather_kv_pages_kernel, gather_kv_pages_reference,  # noqa: E402
                                       relocate_kv_kernel, relocate_kv_reference)
 from pallas_kernels.paged_attention import (NO_WINDOW, paged_attention_kernel,  # noqa: E402
@@ -268,6 +269,27 @@ def check_gather():
     return "exact"
 
 
+def ssm_inputs(B, T, H, P, G, N, seed=9, decay=1.0):
+    keys = jax.random.split(jax.random.key(seed), 6)
+    x = jax.random.normal(keys[0], (B, T, H, P))
+    dt = jax.nn.softplus(jax.random.normal(keys[1], (B, T, H)) - 1.0)
+    A = -decay * jnp.exp(jax.random.uniform(keys[2], (H,), minval=-1.0, maxval=1.0))
+    b = jax.random.normal(keys[3], (B, T, G, N))
+    c = jax.random.normal(keys[4], (B, T, G, N))
+    h0 = jax.random.normal(keys[5], (B, H, P, N))
+    return x, dt, A, b, c, h0
+
+
+def check_ssm_scan(T, decay):
+    args = ssm_inputs(2, T, 8, 64, 2, 128, decay=decay)
+    y, h = jax.jit(lambda *a: ssm_scan_kernel(*a, interpret=INTERPRET))(*args)
+    y_ref, h_ref = jax.jit(ssm_scan_reference)(*args)
+    err = max(float(jnp.max(jnp.abs(y - y_ref))), float(jnp.max(jnp.abs(h - h_ref))))
+    scale = max(float(jnp.max(jnp.abs(y_ref))), float(jnp.max(jnp.abs(h_ref))))
+    check(err <= 1e-4 * max(scale, 1.0), f"ssm_scan differs by {err:.2e} (scale {scale:.1f})")
+    return f"max |diff| {err:.1e}"
+
+
 CHECKS = [
     ("sampling V=40 ragged, chunked", check_sampling_small),
     ("sampling V=1000 peaked", check_sampling_peaked),
@@ -281,6 +303,8 @@ CHECKS = [
     ("attention tree bf16 window 100", lambda: check_attention_tree(jnp.bfloat16, 100)),
     ("relocate_kv", check_relocate),
     ("gather_kv_pages", check_gather),
+    ("ssm_scan T=300 (chunks + tail)", lambda: check_ssm_scan(300, 1.0)),
+    ("ssm_scan T=5 strong decay", lambda: check_ssm_scan(5, 8.0)),
 ]
 
 
@@ -320,6 +344,8 @@ def timing_cases(quick: bool):
                       dict(B=B, T=17)))
     cases.append(("relocate_kv", "L=32 B=64 R=8 KV=8 hd=128 bf16", dict(B=64, R=8)))
     cases.append(("gather_kv_pages", "B=32 ctx=4096 KV=8 hd=128 bf16", dict(B=32, ctx=4096)))
+    for B, T in ((1, 2048), (8, 512)):  # a prompt chunk of Bamba-9B's mixer (H=128 P=64 N=128)
+        cases.append(("ssm_scan", f"B={B} T={T} H=128 P=64 G=1 N=128 f32", dict(B=B, T=T)))
     return cases
 
 
@@ -365,6 +391,10 @@ def time_case(kind, params, iters):
         ref = jax.jit(gather_kv_pages_reference)
         return (median_us(kern, (pool, 2, tables), iters),
                 median_us(ref, (pool, 2, tables), iters))
+    if kind == "ssm_scan":
+        args = ssm_inputs(params["B"], params["T"], 128, 64, 1, 128)
+        kern = jax.jit(lambda *a: ssm_scan_kernel(*a, interpret=INTERPRET))
+        return median_us(kern, args, iters), median_us(jax.jit(ssm_scan_reference), args, iters)
     raise ValueError(kind)
 
 

@@ -42,6 +42,12 @@ class LLM:
     pass `mesh`, a `jax.sharding.Mesh` with a "tp" axis. Output is the same tokens as on one
     device (`specjax.core.sharding`).
 
+    Hybrid targets (Bamba: Mamba-2 mixers beside attention) keep each request's recurrent
+    state beside its K/V blocks; a speculative step commits the state after the tokens it
+    accepted, `recurrent_commit="replay"` (re-scan the accepted inputs: the default, the
+    faster one measured) or "states" (keep every verified position's state) -- same tokens,
+    different cost (`specjax.core.recurrent`).
+
     Several processes (hosts): give each the same arguments plus `coordinator_address`
     (process 0's HOST:PORT), `num_processes` and its `process_id`; the mesh then spans every
     process's devices. Process 0 generates; the others call `follow()`, which returns when
@@ -56,6 +62,7 @@ class LLM:
                  prefill_chunk: int = 64, max_prefill_rows: int = 2, seed: int | None = None,
                  speculative_config: SpeculativeConfig | None = None,
                  overlap_scheduler: bool = True, enable_prefix_cache: bool = True,
+                 recurrent_commit: str = "replay",
                  tensor_parallel_size: int | None = None, mesh: Mesh | None = None,
                  coordinator_address: str | None = None, num_processes: int = 1,
                  process_id: int = 0, warmup: bool = False, progress: bool = True):
@@ -75,6 +82,7 @@ class LLM:
                               prefill_chunk=prefill_chunk, max_prefill_rows=max_prefill_rows,
                               overlap_scheduler=overlap_scheduler,
                               enable_prefix_cache=enable_prefix_cache,
+                              recurrent_commit=recurrent_commit,
                               tensor_parallel_size=tensor_parallel_size, mesh=mesh)
         # A size without as many devices is refused before loading. Split, the target is read
         # into host memory and each device gets only its shards (`Executor`): it need not fit

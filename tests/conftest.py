@@ -73,6 +73,11 @@ def _hf_families(transformers):
                                  original_max_position_embeddings=16),
             tie_word_embeddings=False)),
         "qwen2_bias": (transformers.Qwen2Config, dict(tie_word_embeddings=False)),
+        # Hybrid: Mamba-2 mixers around one attention layer (half-rotary RoPE); 2 B/C groups;
+        # chunks of 4 so transformers' chunked scan crosses chunk boundaries.
+        "bamba": (transformers.BambaConfig, dict(
+            attn_layer_indices=[1], mamba_n_heads=4, mamba_n_groups=2, mamba_d_state=8,
+            mamba_chunk_size=4, attention_bias=True, tie_word_embeddings=False)),
         "qwen3_qknorm_tied": (transformers.Qwen3Config, dict(head_dim=16, tie_word_embeddings=True)),
         "mistral_window": (transformers.MistralConfig, dict(sliding_window=5, head_dim=8,
                                                             tie_word_embeddings=False)),

@@ -43,6 +43,9 @@ GREEDY_DRAFT_TARGET = (SPEC + "::test_greedy_equals_plain_greedy_across_batches_
                        "[draft_target]")
 STOPS = tuple(f"{SPEC}::test_stop_and_eos_inside_an_accepted_run[{setup}]"
               for setup in ("draft_target_overlap", "host_oracle"))
+HYBRID = "tests/engine/test_hybrid.py"
+HYBRID_GREEDY = tuple(f"{HYBRID}::test_greedy_spec_equals_plain_greedy[{setup}]"
+                      for setup in ("user_states", "draft_target_replay_no_overlap"))
 LEDGER = tuple(f"tests/engine/test_kv_ledger.py::test_randomized_kv_ledger_with_overlap[{setup}]"
                for setup in ("draft_target", "mtp"))
 
@@ -119,6 +122,27 @@ MUTANTS = [
            "sampled = batch.temperature > 0",
            "sampled = batch.temperature >= 0",
            (E2E_GREEDY,)),
+    Mutant("recurrent_state_at_last_position",
+           "a hybrid's recurrent state committed after every verified draft, accepted or not",
+           "specjax/core/steps.py",
+           "jnp.where(batch.query_lens > 0, lens, 0), verify=D > 0)",
+           "batch.query_lens, verify=D > 0)",
+           HYBRID_GREEDY),
+    Mutant("recurrent_state_one_too_deep", "the kept state is the one after the bonus position",
+           "specjax/core/recurrent.py",
+           "jnp.maximum(n - 1, 0)[:, None, None, None, None]",
+           "jnp.minimum(n, tape.x.shape[1] - 1)[:, None, None, None, None]",
+           HYBRID_GREEDY[:1]),
+    Mutant("recurrent_replay_one_too_deep", "the replay re-scans one position past the accepted",
+           "specjax/core/recurrent.py",
+           "jnp.arange(T)[None, :, None] < n[:, None, None]",
+           "jnp.arange(T)[None, :, None] <= n[:, None, None]",
+           HYBRID_GREEDY[1:]),
+    Mutant("recurrent_state_not_reset", "a new request's mixers start from its slot's old state",
+           "specjax/core/recurrent.py",
+           "fresh = ((batch.start_pos == 0) & (batch.query_lens > 0))",
+           "fresh = ((batch.start_pos < 0) & (batch.query_lens > 0))",
+           (f"{HYBRID}::test_preemption_recomputes_the_state_exactly",)),
 ]
 
 

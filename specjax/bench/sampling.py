@@ -80,13 +80,14 @@ class Decided:
 
 
 def sample_and_tag(llm: LLM, D: int, n: int, max_tokens: int, temperature: float,
-                   seed_offset: int, prompt: str = PROMPT) -> Decided:
-    """Sample `n` sequences of `max_tokens` tokens at `temperature`, driving the engine step by
-    step, and tag every generated token with the depth that decided it."""
+                   seed_offset: int, prompt: str | list[int] = PROMPT) -> Decided:
+    """Sample `n` sequences of `max_tokens` tokens at `temperature` after `prompt` (text, or
+    token ids for a model without a tokenizer), driving the engine step by step, and tag
+    every generated token with the depth that decided it."""
     engine = llm.engine
     if engine.overlap:
         raise ValueError("tagging needs overlap_scheduler=False (drafts read after each step)")
-    ids = llm.encode(prompt)
+    ids = llm.encode(prompt) if isinstance(prompt, str) else list(prompt)
     params = [SamplingParams(max_tokens=max_tokens, temperature=temperature,
                              seed=seed_offset + i, ignore_eos=True) for i in range(n)]
     requests = [engine.requests[engine.add_request(ids, p)] for p in params]

@@ -38,6 +38,7 @@ from specjax.bench.table import Column, Table
 from specjax.analysis import at_least, efficiency, output_acceptance
 from specjax.analysis.timing import decode_rate, time_generation_steps
 from specjax.cli import require
+from specjax.core.aux_state import aux_bytes_per_slot
 from specjax.llm import LLM
 from specjax.models.registry import resolve_model_path
 from specjax.sampling_params import SamplingParams
@@ -148,6 +149,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plot", metavar="FILE.png", default=None,
                         help="also write the figure: AR_k per method and its speedups (needs "
                              "matplotlib: pip install -e \".[plot]\")")
+    parser.add_argument("--recurrent-commit", default="replay",
+                        choices=("states", "replay", "both"),
+                        help="hybrid targets (Bamba): how a verify step commits the recurrent "
+                             "state at the accepted depth -- keep every position's state, or "
+                             "re-scan the accepted inputs; both: every method once each way, "
+                             "side by side")
     parser.add_argument("--categories", default=None,
                         help="comma-separated prompt categories to run (default: all of "
                              f"{', '.join([*PROMPTS, 'humaneval'])})")
@@ -330,12 +337,18 @@ def run(args: argparse.Namespace) -> None:
     print(tab.row("plain decoding", "-", plain_acc["per_step"], "-", "-", "-", "-", base["tps"], "-",
                   "1.00x", base["decode"], "-", "1.00x", "-", "-", "-", ""), flush=True)
     failures, preempted, figure_rows = [], plain_acc["preemptions"], []
-    for config in configs:
+    modes = (("states", "replay") if args.recurrent_commit == "both"
+             else (args.recurrent_commit,)) if cfg.is_hybrid else ("replay",)
+    if cfg.is_hybrid:
+        print(f"hybrid target: {len(cfg.recurrent_layers)} Mamba-2 mixers, "
+              f"{aux_bytes_per_slot(cfg) / 1024:.1f} KiB of recurrent state per request")
+    for config, mode in [(c, m) for c in configs for m in modes]:
         D = config.max_draft_len
-        label = label_of(config)
+        label = label_of(config) + (f" [{mode}]" if len(modes) > 1 else "")
         # A fresh engine per run: host drafters (the NGram pool) learn from earlier runs.
         # Its compiled steps are cached, so only the first one compiles.
-        fresh = lambda: warm(LLM(str(path), speculative_config=config, **common))
+        fresh = lambda: warm(LLM(str(path), speculative_config=config, recurrent_commit=mode,
+                                 **common))
         pairs, histograms = [], []
         for _ in range(args.repeats):
             pairs.append((_run(plain, prompts, params, args.batch_size),

@@ -4,7 +4,7 @@ pools line up block for block."""
 from __future__ import annotations
 
 import functools
-from typing import Callable, Sequence, TypeVar
+from typing import Any, Callable, Mapping, Sequence, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -126,18 +126,20 @@ def gather_context(pool: KVPool, layer: int, block_tables: jax.Array, context_le
 
 
 def paged_forward(model: Llama, kv: KVPool, batch: StepBatch,
-                  capture_layers: Sequence[int] = (), tree: TreeLayout | None = None
-                  ) -> tuple[KVPool, jax.Array, jax.Array]:
+                  capture_layers: Sequence[int] = (), tree: TreeLayout | None = None,
+                  aux: Mapping[str, Any] | None = None) -> tuple[KVPool, jax.Array, jax.Array]:
     """Run each row's tokens through the model, writing their K/V into the pool first. With
     `tree`, each row is a draft tree (`specjax.core.tree`): positions from its depths,
-    attention over the context, its ancestors and itself.
+    attention over the context, its ancestors and itself. `aux`: the runs of the step's
+    auxiliary state (`specjax.core.aux_state.begin`), e.g. a hybrid's `recurrence`.
 
     Returns (kv, hidden `[B, T, D]` after the last layer, captured `[C, B, T, D]`: the residual
     streams after `capture_layers`, for hidden-state drafters; rows past query_lens are padding).
     """
     paged = PagedAttention(batch, kv.tokens_per_block, layer_windows(model.config), tree)
+    extra = {"recurrence": aux["recurrent"]} if aux and "recurrent" in aux else {}
     hidden, captured, kv = model.run_layers(model.embed_tokens(batch.tokens), paged.positions,
-                                            paged.attend, kv, capture_layers)
+                                            paged.attend, kv, capture_layers, **extra)
     return kv, hidden, captured
 
 

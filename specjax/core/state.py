@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from flax import nnx, struct
 from jax.sharding import Mesh
 
+from specjax.core.aux_state import AuxState, make_aux_state
 from specjax.core.kv import KVPool, make_kv_pool
 from specjax.core.penalties import PenaltyState, make_penalty_state
 from specjax.core.suffix import SuffixSpec, SuffixState, make_suffix_state
@@ -106,6 +107,9 @@ class EngineState:
     draft: KVPool | None = None  # the in-step drafter's pool (same block tables), or None
     suffix: SuffixState | None = None  # SA's per-slot token history, or None
     penalties: PenaltyState | None = None  # per-slot token counts for the penalties
+    # Per-slot state beside the KV pool, committed at the accepted depth (`core/aux_state`):
+    # a hybrid target's recurrent state. None for a pure-attention target.
+    aux: dict[str, AuxState] | None = None
 
 
 def split_model(target: Llama, draft: nnx.Module | None = None, fused: bool = True
@@ -126,22 +130,24 @@ def split_model(target: Llama, draft: nnx.Module | None = None, fused: bool = Tr
 def init_state(config: ModelConfig, *, num_slots: int, num_blocks: int, tokens_per_block: int,
                max_draft_len: int = 0, worker: DraftWorker | None = None,
                suffix: SuffixSpec | None = None, history_len: int = 0,
-               mesh: Mesh | None = None) -> EngineState:
+               mesh: Mesh | None = None, recurrent_commit: str = "replay") -> EngineState:
     """Zeroed device state for a target with `config`: its pool, slot state
     for `num_slots` requests and drafts up to `max_draft_len` (a tree worker's: nodes), the
     worker's pool, and with SA (`suffix`) a token history of `history_len` (the longest
     request) per slot. Draft distributions are kept when the worker does rejection sampling,
-    the nodes' parents when it drafts trees."""
+    the nodes' parents when it drafts trees. A hybrid target gets its slots' recurrent
+    state (`recurrent_commit`: how a verify step commits it, see `specjax.core.recurrent`)."""
     keep_probs = worker is not None and worker.rejection_sampling
     tree = tree_of(worker) is not None
     if suffix is not None and history_len < 1:
         raise ValueError("SA needs history_len: the longest request's tokens (max_model_len)")
     return EngineState(
-        target=make_kv_pool(config.num_layers, config.num_kv_heads, config.head_dim, num_blocks,
+        target=make_kv_pool(len(config.kv_layers), config.num_kv_heads, config.head_dim, num_blocks,
                             tokens_per_block, config.dtype, mesh),
         slots=make_slot_state(num_slots, max_draft_len, config.vocab_size if keep_probs else 0,
                               tree, strict=keep_probs and suffix is not None),
         draft=None if worker is None else worker.make_kv(num_blocks, tokens_per_block,
                                                          config.dtype),
         suffix=None if suffix is None else make_suffix_state(suffix, num_slots, history_len),
-        penalties=make_penalty_state(num_slots, config.vocab_size))
+        penalties=make_penalty_state(num_slots, config.vocab_size),
+        aux=make_aux_state(config, num_slots, recurrent_commit))

@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from specjax.core import aux_state
 from specjax.core.accept import rejection_accept, strict_accept, target_tokens
 from specjax.core.batch import GenerationOutput, PrefillOutput, StepBatch
 from specjax.core.forward import last_rows, paged_forward
@@ -124,7 +125,10 @@ def make_prefill_step(graphdef: nnx.GraphDef, worker: DraftWorker | None = None,
     def prefill(params: Params, state: EngineState, batch: StepBatch
                 ) -> tuple[EngineState, PrefillOutput]:
         model = nnx.merge(graphdef, params.target)
-        kv_target, hidden, captured = paged_forward(model, state.target, batch, capture)
+        runs = aux_state.begin(state.aux, batch, verify=False)
+        kv_target, hidden, captured = paged_forward(model, state.target, batch, capture,
+                                                    aux=runs)
+        aux = aux_state.commit(state.aux, runs, batch.slots, batch.query_lens, verify=False)
         raw = model.logits(last_rows(hidden, batch.query_lens))
         logits = apply_token_mask(penalize(apply_bias(raw, batch.bias_ids, batch.bias_values)
                                            [:, None], state.penalties, batch),
@@ -172,7 +176,7 @@ def make_prefill_step(graphdef: nnx.GraphDef, worker: DraftWorker | None = None,
         slots = write_slots(state.slots, batch.slots, run, batch.start_pos + batch.query_lens,
                             num_drafts, probs, parents, from_sa)
         return (EngineState(target=kv_target, slots=slots, draft=kv_draft, suffix=history,
-                            penalties=penalties),
+                            penalties=penalties, aux=aux),
                 PrefillOutput(tokens=tokens, hidden_states=captured if save_layers else None,
                               logprobs=logprobs, prompt_logprobs=prompt_logprobs))
 
@@ -198,7 +202,10 @@ def make_generation_step(graphdef: nnx.GraphDef, worker: DraftWorker | None = No
             batch = runs_from_slots(batch, state.slots, D)
         batch = clip_to_mask(clip_to_room(batch))
         model = nnx.merge(graphdef, params.target)
-        kv_target, hidden, captured = paged_forward(model, state.target, batch, capture)
+        # D = 0 (plain decoding) commits every position it runs: no depth to choose.
+        runs = aux_state.begin(state.aux, batch, verify=D > 0)
+        kv_target, hidden, captured = paged_forward(model, state.target, batch, capture,
+                                                    aux=runs)
         raw = model.logits(hidden)
         logits = apply_token_mask(
             penalize(apply_bias(raw, batch.bias_ids, batch.bias_values), state.penalties,
@@ -224,6 +231,10 @@ def make_generation_step(graphdef: nnx.GraphDef, worker: DraftWorker | None = No
                 logits, batch.replace(temperature=jnp.where(by_rejection, batch.temperature, 0.0)),
                 drafts_in, draft_lens, draft_probs[batch.slots, :D], new_tokens, lens)
         logprobs = maybe_logprobs(batch.logprobs, lambda: raw, new_tokens)
+        # The state after the accepted tokens (newest and drafts, not the bonus token):
+        # recurrent layers absorbed every draft, so this is their rollback.
+        aux = aux_state.commit(state.aux, runs, batch.slots,
+                               jnp.where(batch.query_lens > 0, lens, 0), verify=D > 0)
         penalties = state.penalties
         if penalties is not None:
             penalties = record_generated(penalties, batch.slots, new_tokens, lens)
@@ -244,7 +255,7 @@ def make_generation_step(graphdef: nnx.GraphDef, worker: DraftWorker | None = No
         slots = write_slots(state.slots, batch.slots, jnp.concatenate([newest, drafts], axis=1),
                             batch.start_pos + lens, num, probs, strict=from_sa)
         return (EngineState(target=kv_target, slots=slots, draft=kv_draft, suffix=history,
-                            penalties=penalties),
+                            penalties=penalties, aux=aux),
                 GenerationOutput(new_tokens, lens, drafts, draft_lens,
                                  captured if save_layers else None, logprobs))
 
@@ -307,6 +318,6 @@ def tree_generation(graphdef: nnx.GraphDef, worker: DraftWorker, suffix: SuffixS
                         batch.start_pos + lens, num, tree_parents=tree_parents)
     deepest = jnp.max(jnp.where(layout.valid, layout.depths, 0), axis=1)
     return (EngineState(target=kv_target, slots=slots, draft=kv_draft, suffix=history,
-                        penalties=penalties),
+                        penalties=penalties, aux=state.aux),  # trees: attention-only targets
             GenerationOutput(new_tokens, lens, drafts, jnp.where(real, deepest, 0),
                              logprobs=logprobs))

@@ -26,6 +26,8 @@ from typing import Sequence
 import numpy as np
 from jax.sharding import Mesh
 
+from specjax.core.aux_state import aux_bytes_per_slot
+from specjax.core.recurrent import COMMIT_MODES
 from specjax.core.sharding import TP, TensorParallel, make_mesh
 from specjax.core.state import init_state, split_model
 from specjax.core.steps import runs_on_device
@@ -48,6 +50,22 @@ from specjax.tokenizer import Tokenizer
 from specjax.validation import check_draft_tokens, check_request
 
 log = logging.getLogger("specjax.engine")
+
+
+def hybrid_engine_config(config: EngineConfig, tp) -> EngineConfig:
+    """What a hybrid (recurrent-layer) target changes: no prefix cache -- cached K/V blocks
+    cannot give back the recurrent state after them, so a request reading them would start
+    its mixers from the wrong state -- and no tensor parallelism (no split plan for mixers)."""
+    if tp is not None:
+        raise ValueError("tensor parallelism does not support hybrid (Mamba) targets yet: "
+                         "use tensor_parallel_size=1")
+    if config.recurrent_commit not in COMMIT_MODES:
+        raise ValueError(f"recurrent_commit must be one of {COMMIT_MODES}, got "
+                         f"{config.recurrent_commit!r}")
+    if config.enable_prefix_cache:
+        log.info("prefix cache off: a hybrid target's recurrent state cannot be rebuilt from "
+                 "cached K/V blocks")
+    return dataclasses.replace(config, enable_prefix_cache=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +91,10 @@ class EngineConfig:
     # or over `mesh`'s "tp" axis (a user-built Mesh; then its size decides).
     tensor_parallel_size: int = 1
     mesh: Mesh | None = None
+    # Hybrid targets: how a verify step commits the recurrent state at the accepted depth,
+    # "replay" (re-scan the accepted inputs) or "states" (keep every position's); see
+    # `specjax.core.recurrent` for what each costs.
+    recurrent_commit: str = "replay"
 
     def __post_init__(self):
         for name in ("max_batch_size", "tokens_per_block", "prefill_chunk", "max_prefill_rows",
@@ -140,6 +162,8 @@ class Engine:
         tp = config.tensor_parallel()
         if tp is not None:
             tp.check(mc)
+        if mc.is_hybrid:
+            config = hybrid_engine_config(config, tp)
         self.config, self.model_config, self.tokenizer = config, mc, tokenizer
         self.max_len = config.max_model_len or mc.max_position_embeddings
         if self.max_len > mc.max_position_embeddings:
@@ -179,7 +203,13 @@ class Engine:
                                         num_blocks=num_blocks, tokens_per_block=bs,
                                         max_draft_len=spec.verify_len(D), worker=spec.worker,
                                         suffix=spec.suffix, history_len=self.max_len,
-                                        mesh=None if tp is None else tp.mesh)
+                                        mesh=None if tp is None else tp.mesh,
+                                        recurrent_commit=config.recurrent_commit)
+        if mc.is_hybrid:
+            log.info("recurrent state: %.1f KiB per request, %.2f MiB for %d slots (beside "
+                     "the K/V pool)", aux_bytes_per_slot(mc) / 1024,
+                     aux_bytes_per_slot(mc) * config.max_batch_size / 2**20,
+                     config.max_batch_size)
         self.executor = Executor(graphdef, params, make_state, self.allocator, worker=spec.worker,
                                  suffix=spec.suffix,
                                  save_layers=spec.save_layers, blocks_per_seq=blocks_per_seq,

@@ -10,7 +10,7 @@ import json
 import os
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "bamba")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -27,8 +27,48 @@ class RopeScaling:
 
 
 @dataclasses.dataclass(frozen=True)
+class MambaConfig:
+    """The Mamba-2 mixers of a hybrid decoder (Bamba): `num_heads` heads of `head_dim`
+    channels, `num_groups` groups of B/C projections of `state_size`, a causal depthwise
+    convolution of `conv_kernel` taps over x, B and C."""
+
+    num_heads: int
+    head_dim: int
+    num_groups: int
+    state_size: int
+    conv_kernel: int = 4
+    chunk_size: int = 256
+    conv_bias: bool = True
+    time_step_min: float = 0.0
+    time_step_max: float = float("inf")
+
+    def __post_init__(self):
+        for name in ("num_heads", "head_dim", "num_groups", "state_size", "conv_kernel",
+                     "chunk_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"MambaConfig.{name} must be a positive int, got {value!r}")
+        if self.num_heads % self.num_groups:
+            raise ValueError(f"MambaConfig.num_heads ({self.num_heads}) must be a multiple of "
+                             f"num_groups ({self.num_groups})")
+
+    @property
+    def intermediate_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels the convolution runs over: x, then B, then C."""
+        return self.intermediate_size + 2 * self.num_groups * self.state_size
+
+
+ATTENTION, MAMBA = "attention", "mamba"
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """A Llama-family decoder (Llama 3, Mistral, Qwen2, Qwen3)."""
+    """A Llama-family decoder (Llama 3, Mistral, Qwen2, Qwen3), or a hybrid one whose layers
+    are attention or Mamba-2 mixers (`layer_types`, `mamba`: Bamba)."""
 
     vocab_size: int
     hidden_size: int
@@ -53,6 +93,11 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
     initializer_range: float = 0.02
+    # RoPE rotates the first head_dim * partial_rotary_factor features of q and k (Bamba: 0.5).
+    partial_rotary_factor: float = 1.0
+    # Hybrids: each layer's kind, ATTENTION or MAMBA (None: every layer attends).
+    layer_types: tuple[str, ...] | None = None
+    mamba: MambaConfig | None = None
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -69,6 +114,41 @@ class ModelConfig:
             object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
         if isinstance(self.sliding_windows, list):
             object.__setattr__(self, "sliding_windows", tuple(self.sliding_windows))
+        if isinstance(self.layer_types, list):
+            object.__setattr__(self, "layer_types", tuple(self.layer_types))
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.num_layers or not set(self.layer_types) <= {
+                    ATTENTION, MAMBA}:
+                raise ValueError(f"ModelConfig.layer_types must name {self.num_layers} layers, "
+                                 f"each {ATTENTION!r} or {MAMBA!r}; got {self.layer_types!r}")
+            if (MAMBA in self.layer_types) != (self.mamba is not None):
+                raise ValueError("ModelConfig.mamba must be set exactly when a layer is "
+                                 f"{MAMBA!r}")
+        rotary = self.head_dim * self.partial_rotary_factor
+        if not 0 < self.partial_rotary_factor <= 1 or rotary != int(rotary) or int(rotary) % 2:
+            raise ValueError(f"ModelConfig.partial_rotary_factor {self.partial_rotary_factor} "
+                             f"must leave an even number of rotated features of head_dim "
+                             f"{self.head_dim}")
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def kv_layers(self) -> tuple[int, ...]:
+        """The layers that attend (and hold K/V in the pool), in order."""
+        return tuple(i for i in range(self.num_layers)
+                     if self.layer_types is None or self.layer_types[i] == ATTENTION)
+
+    @property
+    def recurrent_layers(self) -> tuple[int, ...]:
+        """The layers that carry a recurrent state instead of K/V (a hybrid's Mamba mixers)."""
+        return tuple(i for i in range(self.num_layers)
+                     if self.layer_types is not None and self.layer_types[i] == MAMBA)
+
+    @property
+    def is_hybrid(self) -> bool:
+        return bool(self.recurrent_layers)
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -82,9 +162,15 @@ class ModelConfig:
     def num_params(self) -> int:
         d, f, hd = self.hidden_size, self.intermediate_size, self.head_dim
         attn = d * hd * (self.num_heads * 2 + self.num_kv_heads * 2)
-        per_layer = attn + 3 * d * f + 2 * d
+        mixer = 0
+        if self.mamba is not None:
+            m = self.mamba
+            I, C, H = m.intermediate_size, m.conv_dim, m.num_heads
+            mixer = d * (I + C + H) + (m.conv_kernel + m.conv_bias) * C + 3 * H + I + I * d
+        mixers = len(self.recurrent_layers)
+        layers = (self.num_layers - mixers) * attn + mixers * mixer
         embed = self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * per_layer + embed + d
+        return layers + self.num_layers * (3 * d * f + 2 * d) + embed + d
 
     def replace(self, **changes) -> "ModelConfig":
         return dataclasses.replace(self, **changes)
@@ -97,6 +183,7 @@ class ModelConfig:
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"unsupported model_type {model_type!r} in config.json "
                              f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+        hybrid = bamba_fields(hf) if model_type == "bamba" else {}
         archs = hf.get("architectures") or []
         for arch in archs:
             if not arch.endswith("ForCausalLM"):
@@ -105,7 +192,7 @@ class ModelConfig:
         num_heads = hf["num_attention_heads"]
         num_layers = hf["num_hidden_layers"]
         head_dim = hf.get("head_dim") or hf["hidden_size"] // num_heads
-        theta, scaling = rope_from_hf(hf)
+        theta, scaling = rope_from_hf(hf, partial=model_type == "bamba")
         if dtype is None:
             dtype = hf.get("dtype") or hf.get("torch_dtype") or "float32"
             dtype = dtype if dtype in DTYPES else "float32"
@@ -125,7 +212,7 @@ class ModelConfig:
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             # Qwen2 hard-codes q/k/v biases; Llama's attention_bias covers q/k/v/o; Qwen3 q/k/v only.
             qkv_bias=model_type == "qwen2" or attention_bias,
-            o_bias=model_type == "llama" and attention_bias,
+            o_bias=model_type in ("llama", "bamba") and attention_bias,
             mlp_bias=bool(hf.get("mlp_bias", False)),
             qk_norm=model_type == "qwen3",
             sliding_windows=_sliding_windows_from_hf(hf, model_type, num_layers),
@@ -134,10 +221,13 @@ class ModelConfig:
             bos_token_id=hf.get("bos_token_id"),
             eos_token_id=hf.get("eos_token_id"),
             initializer_range=hf.get("initializer_range", 0.02),
+            **hybrid,
         )
 
     def to_hf_dict(self) -> dict[str, Any]:
         """A config.json that transformers (and `from_hf_dict`) reads back as the same model."""
+        if self.model_type == "bamba":
+            return bamba_to_hf(self)
         if self.model_type == "qwen2" and not self.qkv_bias or self.qk_norm and self.model_type != "qwen3":
             raise ValueError("this ModelConfig has no Hugging Face equivalent for its model_type")
         hf: dict[str, Any] = {
@@ -181,14 +271,16 @@ class ModelConfig:
             return cls.from_hf_dict(json.load(f), dtype=dtype)
 
 
-def rope_from_hf(hf: dict[str, Any]) -> tuple[float, RopeScaling | None]:
+def rope_from_hf(hf: dict[str, Any], partial: bool = False) -> tuple[float, RopeScaling | None]:
+    """`partial`: the model type reads partial_rotary_factor itself (Bamba)."""
     # transformers >= 5 writes `rope_parameters` (theta included); older configs use
     # `rope_theta` + `rope_scaling`. Accept both.
     params = dict(hf.get("rope_parameters") or {})
     legacy = hf.get("rope_scaling") or {}
     theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
     spec = {**legacy, **params}
-    if hf.get("partial_rotary_factor", spec.get("partial_rotary_factor", 1.0)) != 1.0:
+    if not partial and hf.get("partial_rotary_factor",
+                              spec.get("partial_rotary_factor", 1.0)) != 1.0:
         raise ValueError("unsupported rope scaling: partial_rotary_factor != 1.0")
     rope_type = spec.get("rope_type", spec.get("type", "default"))
     if rope_type not in SUPPORTED_ROPE_TYPES:
@@ -239,3 +331,76 @@ def check_attention_fields(owner: str, num_heads: int, num_kv_heads: int, head_d
         raise ValueError(f"{owner}.head_dim must be even for RoPE, got {head_dim}")
     if dtype not in DTYPES:
         raise ValueError(f"{owner}.dtype must be one of {DTYPES}, got {dtype!r}")
+
+
+def _hf_float(value: Any) -> float:
+    """A float of a config.json (transformers writes infinity as {"__float__": "Infinity"})."""
+    if isinstance(value, dict) and "__float__" in value:
+        return float(value["__float__"])
+    return float(value)
+
+
+def bamba_fields(hf: dict[str, Any]) -> dict[str, Any]:
+    """The hybrid fields of a Bamba config.json; refuses what the mixer does not implement."""
+    if hf.get("mamba_proj_bias"):
+        raise ValueError("unsupported Bamba config: mamba_proj_bias = true")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"unsupported Bamba config: hidden_act {hf['hidden_act']!r}")
+    layers, hidden = hf["num_hidden_layers"], hf["hidden_size"]
+    attention = set(hf.get("attn_layer_indices") or ())
+    heads, expand = hf.get("mamba_n_heads", 128), hf.get("mamba_expand", 2)
+    head_dim = hf.get("mamba_d_head", "auto")
+    if head_dim == "auto":
+        head_dim = expand * hidden // heads
+    if head_dim * heads != expand * hidden:
+        raise ValueError(f"Bamba config: mamba_n_heads {heads} x mamba_d_head {head_dim} must "
+                         f"equal mamba_expand x hidden_size ({expand * hidden})")
+    limit = hf.get("time_step_limit") or (0.0, float("inf"))
+    rope = {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
+    return dict(
+        partial_rotary_factor=float(rope.get("partial_rotary_factor",
+                                             hf.get("partial_rotary_factor", 0.5))),
+        layer_types=tuple(ATTENTION if i in attention else MAMBA for i in range(layers)),
+        mamba=MambaConfig(num_heads=heads, head_dim=head_dim,
+                          num_groups=hf.get("mamba_n_groups", 1),
+                          state_size=hf.get("mamba_d_state", 256),
+                          conv_kernel=hf.get("mamba_d_conv", 4),
+                          chunk_size=hf.get("mamba_chunk_size", 256),
+                          conv_bias=bool(hf.get("mamba_conv_bias", True)),
+                          time_step_min=_hf_float(limit[0]), time_step_max=_hf_float(limit[1])),
+    )
+
+
+def bamba_to_hf(config: ModelConfig) -> dict[str, Any]:
+    """A Bamba config.json for a hybrid config (transformers reads it back as the same model)."""
+    m = config.mamba
+    if config.qk_norm or config.qkv_bias != config.o_bias or config.sliding_windows \
+            or config.rope_scaling is not None or m is None \
+            or m.intermediate_size % config.hidden_size:
+        raise ValueError("this ModelConfig has no Hugging Face Bamba equivalent")
+    limit = [m.time_step_min, m.time_step_max]
+    return {
+        "architectures": ["BambaForCausalLM"], "model_type": "bamba",
+        "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_hidden_layers": config.num_layers, "num_attention_heads": config.num_heads,
+        "num_key_value_heads": config.num_kv_heads,
+        "max_position_embeddings": config.max_position_embeddings,
+        "rms_norm_eps": config.rms_norm_eps,
+        "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta,
+                            "partial_rotary_factor": config.partial_rotary_factor},
+        "tie_word_embeddings": config.tie_word_embeddings,
+        "attention_bias": config.qkv_bias, "mlp_bias": config.mlp_bias, "hidden_act": "silu",
+        "attn_layer_indices": list(config.kv_layers),
+        "mamba_n_heads": m.num_heads, "mamba_d_head": m.head_dim,
+        "mamba_n_groups": m.num_groups, "mamba_d_state": m.state_size,
+        "mamba_d_conv": m.conv_kernel, "mamba_expand": m.intermediate_size // config.hidden_size,
+        "mamba_chunk_size": m.chunk_size, "mamba_conv_bias": m.conv_bias,
+        "mamba_proj_bias": False,
+        "time_step_limit": [x if x != float("inf") else {"__float__": "Infinity"} for x in limit],
+        "dtype": config.dtype, "bos_token_id": config.bos_token_id,
+        "eos_token_id": list(config.eos_token_id) if isinstance(config.eos_token_id, tuple)
+        else config.eos_token_id,
+        "pad_token_id": None,
+        "initializer_range": config.initializer_range,
+    }

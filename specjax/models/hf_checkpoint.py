@@ -17,6 +17,7 @@ from flax import nnx
 
 from specjax.models.checkpoint_io import (checkpoint_folder, module_from_params, read_safetensors,
                                           refuse_leftovers, save_safetensors, tensor_taker)
+from specjax.models.bamba import Bamba, layer_shapes
 from specjax.models.config import ModelConfig
 from specjax.models.llama import Llama, layer_param_shapes
 
@@ -42,10 +43,27 @@ _LAYER_NAMES = {
     "down_bias": ("mlp.down_proj.bias", False),
 }
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
+# Bamba's names where they differ from Llama's (its attention layers share the rest); the
+# convolution's `[C, 1, K]` weight is stored `[K, C]`.
+_BAMBA_NAMES = {
+    "post_norm": ("pre_ff_layernorm.weight", False),
+    **{f"{p}_{kind}": (f"feed_forward.{p}_proj.{'weight' if kind == 'proj' else 'bias'}",
+                       kind == "proj")
+       for p in ("gate", "up", "down") for kind in ("proj", "bias")},
+    "in_proj": ("mamba.in_proj.weight", True),
+    "conv_weight": ("mamba.conv1d.weight", None),
+    "conv_bias": ("mamba.conv1d.bias", False),
+    "dt_bias": ("mamba.dt_bias", False),
+    "A_log": ("mamba.A_log", False),
+    "D": ("mamba.D", False),
+    "mixer_norm": ("mamba.norm.weight", False),
+    "out_proj": ("mamba.out_proj.weight", True),
+}
 
 
 def load_hf_checkpoint(path: str | os.PathLike, dtype: str | None = None) -> Llama:
-    """Load a local Hugging Face Llama/Mistral/Qwen2/Qwen3 folder into a `Llama`.
+    """Load a local Hugging Face Llama/Mistral/Qwen2/Qwen3 folder into a `Llama` (a Bamba
+    folder into a `Bamba`).
 
     `dtype` overrides the checkpoint's (e.g. "float32" for parity checks). Never downloads.
     """
@@ -57,13 +75,16 @@ def load_hf_checkpoint(path: str | os.PathLike, dtype: str | None = None) -> Lla
     take = tensor_taker(tensors, np_dtype, f"the checkpoint in {folder}")
 
     V, D = config.vocab_size, config.hidden_size
+    hybrid = config.model_type == "bamba"
     params = {"embed": take("model.embed_tokens.weight", (V, D)),
-              "final_norm": take("model.norm.weight", (D,))}
+              "final_norm": take("model.final_layernorm.weight" if hybrid else "model.norm.weight",
+                                 (D,))}
     if config.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)
     else:
         params["lm_head"] = take("lm_head.weight", (D, V), transpose=True)
-    params["layers"] = take_layers(config, take, "model.layers.")
+    params["layers"] = (take_bamba_layers(config, take) if hybrid
+                        else take_layers(config, take, "model.layers."))
     refuse_leftovers((n for n in tensors if not _IGNORED.match(n)),
                      f"checkpoint has tensors this {config.model_type} config does not use")
     return model_from_params(config, params)
@@ -75,6 +96,42 @@ def take_layers(config: ModelConfig, take, prefix: str) -> dict[str, np.ndarray]
     return {key: np.stack([take(f"{prefix}{i}.{_LAYER_NAMES[key][0]}", shape,
                                 _LAYER_NAMES[key][1]) for i in range(config.num_layers)])
             for key, shape in layer_param_shapes(config).items()}
+
+
+def _bamba_name(key: str) -> tuple[str, bool | None]:
+    return _BAMBA_NAMES.get(key) or _LAYER_NAMES[key]
+
+
+def take_bamba_layers(config: ModelConfig, take) -> dict[int, dict[str, np.ndarray]]:
+    """A Bamba's layers, one dict per layer (their kinds differ)."""
+    layers = {}
+    for i in range(config.num_layers):
+        layer = {}
+        for key, shape in layer_shapes(config, i).items():
+            suffix, transpose = _bamba_name(key)
+            name = f"model.layers.{i}.{suffix}"
+            if transpose is None:  # conv1d [C, 1, K] -> [K, C]
+                K, C = shape
+                layer[key] = take(name, (C, 1, K)).reshape(C, K).T
+            else:
+                layer[key] = take(name, shape, transpose)
+        layers[i] = layer
+    return layers
+
+
+def bamba_layer_tensors(model: Bamba, np_dtype) -> dict[str, np.ndarray]:
+    """The inverse of `take_bamba_layers`."""
+    tensors = {}
+    for i, layer in enumerate(model.unstacked(fused=False).layers):
+        for key, param in layer.items():
+            suffix, transpose = _bamba_name(key)
+            array = np.asarray(param[...]).astype(np_dtype)
+            if transpose is None:
+                array = array.T[:, None, :]
+            elif transpose:
+                array = array.T
+            tensors[f"model.layers.{i}.{suffix}"] = np.ascontiguousarray(array)
+    return tensors
 
 
 def layer_tensors(model: Llama, np_dtype, prefix: str) -> dict[str, np.ndarray]:
@@ -91,7 +148,8 @@ def layer_tensors(model: Llama, np_dtype, prefix: str) -> dict[str, np.ndarray]:
 
 def model_from_params(config: ModelConfig, params: dict) -> Llama:
     """Build a `Llama` from a pure dict of arrays without random-initialising it first."""
-    return module_from_params(lambda: Llama(config, rngs=nnx.Rngs(0)), params)
+    cls = Bamba if config.is_hybrid else Llama
+    return module_from_params(lambda: cls(config, rngs=nnx.Rngs(0)), params)
 
 
 def save_hf_checkpoint(model: Llama, path: str | os.PathLike, dtype: str | None = None) -> None:
@@ -101,10 +159,13 @@ def save_hf_checkpoint(model: Llama, path: str | os.PathLike, dtype: str | None 
     config = model.config if dtype is None else model.config.replace(dtype=dtype)
     np_dtype = jnp.dtype(config.dtype)
     arr = lambda x: np.ascontiguousarray(np.asarray(x[...]).astype(np_dtype))
+    hybrid = config.is_hybrid
     tensors = {"model.embed_tokens.weight": arr(model.embed),
-               "model.norm.weight": arr(model.final_norm)}
+               "model.final_layernorm.weight" if hybrid else "model.norm.weight":
+                   arr(model.final_norm)}
     if not config.tie_word_embeddings:
         tensors["lm_head.weight"] = np.ascontiguousarray(arr(model.lm_head).T)
-    tensors.update(layer_tensors(model, np_dtype, "model.layers."))
+    tensors.update(bamba_layer_tensors(model, np_dtype) if hybrid
+                   else layer_tensors(model, np_dtype, "model.layers."))
     save_safetensors(tensors, folder / "model.safetensors", metadata={"format": "pt"})
     (folder / "config.json").write_text(json.dumps(config.to_hf_dict(), indent=2) + "\n")

@@ -43,9 +43,10 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
 
 
 def layer_windows(config: ModelConfig) -> jax.Array:
-    """`[L]` int32: each layer's sliding window, NO_WINDOW for full attention."""
-    return jnp.asarray([w or NO_WINDOW for w in (config.sliding_windows
-                                                  or (None,) * config.num_layers)], jnp.int32)
+    """`[L_kv]` int32: each attention layer's sliding window (`config.kv_layers`: every layer
+    but a hybrid's recurrent ones), NO_WINDOW for full attention."""
+    windows = config.sliding_windows or (None,) * config.num_layers
+    return jnp.asarray([windows[i] or NO_WINDOW for i in config.kv_layers], jnp.int32)
 
 
 def layer_param_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -231,7 +232,12 @@ def layer_finish(cfg: ModelConfig, lp: dict[str, jax.Array], attn: jax.Array,
     attn = attn.reshape(B, T, cfg.num_heads * cfg.head_dim) @ lp["o_proj"]
     if cfg.o_bias:
         attn = attn + lp["o_bias"]
-    x = residual + attn
+    return mlp_block(cfg, lp, residual + attn)
+
+
+def mlp_block(cfg: ModelConfig, lp: dict[str, jax.Array], x: jax.Array) -> jax.Array:
+    """The second half of every layer (attention or recurrent): x `[B, T, H]` plus the gated
+    MLP of its post-norm."""
     h = rms_norm(x, lp["post_norm"], cfg.rms_norm_eps)
     gate, up = linear_parts(h, lp, "gate_up", projection_sizes(cfg)["gate_up"], cfg.mlp_bias)
     down = (jax.nn.silu(gate) * up) @ lp["down_proj"]

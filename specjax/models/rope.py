@@ -10,8 +10,8 @@ from specjax.models.config import ModelConfig
 
 
 def inverse_frequencies(config: ModelConfig) -> np.ndarray:
-    """`[head_dim // 2]` float32, with linear or llama3 frequency scaling applied."""
-    dim = config.head_dim
+    """`[rotary_dim // 2]` float32, with linear or llama3 frequency scaling applied."""
+    dim = getattr(config, "rotary_dim", config.head_dim)  # drafter head configs rotate all
     inv_freq = 1.0 / (config.rope_theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
     scaling = config.rope_scaling
     if scaling is None:
@@ -32,14 +32,16 @@ def inverse_frequencies(config: ModelConfig) -> np.ndarray:
 
 
 def rope_tables(config: ModelConfig, positions: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
-    """positions `[..., T]` int -> (cos, sin) each `[..., T, head_dim // 2]` float32."""
+    """positions `[..., T]` int -> (cos, sin) each `[..., T, rotary_dim // 2]` float32."""
     angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inverse_frequencies(config))
     return jnp.cos(angles), jnp.sin(angles)
 
 
 def apply_rope(x: jnp.ndarray, cos: jnp.ndarray, sin: jnp.ndarray) -> jnp.ndarray:
-    """x `[B, T, heads, head_dim]`; cos/sin `[B, T, head_dim // 2]`."""
+    """x `[B, T, heads, head_dim]`; cos/sin `[B, T, rotary_dim // 2]`: the first rotary_dim
+    features rotate, the rest pass through (partial rotary, Bamba)."""
     cos = cos[:, :, None, :].astype(x.dtype)
     sin = sin[:, :, None, :].astype(x.dtype)
-    x1, x2 = jnp.split(x, 2, axis=-1)
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    rotary = 2 * cos.shape[-1]
+    x1, x2 = jnp.split(x[..., :rotary], 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, x[..., rotary:]], axis=-1)

@@ -123,10 +123,24 @@ def build_speculation(config: SpeculativeConfig | None, target: Llama,
         config = with_drafter_fields(config)
         draft_model = load_draft_model(config, target)
         draft_model = draft_model.for_inference()  # the layout the steps run
-    return Speculation(config, worker=get_spec_worker(config, draft_model, target.config),
-                       draft_model=draft_model,
+    worker = get_spec_worker(config, draft_model, target.config)
+    if target.config.is_hybrid:
+        check_hybrid_target(config, worker, draft_model)
+    return Speculation(config, worker=worker, draft_model=draft_model,
                        drafter=get_spec_drafter(config, max_sequence_length),
                        suffix=suffix_spec(config))
+
+
+def check_hybrid_target(config: SpeculativeConfig, worker, draft_model) -> None:
+    """What a target with recurrent layers cannot verify: a draft tree (its nodes would need a
+    recurrent state per path, not per depth); and a drafter with recurrent layers of its own
+    (the in-step workers roll back K/V only)."""
+    if tree_of(worker) is not None:
+        raise ValueError(f"{type(config).__name__}: draft trees cannot be verified on a hybrid "
+                         "(recurrent-layer) target; use a chain (no dynamic_tree / tree)")
+    if getattr(getattr(draft_model, "config", None), "is_hybrid", False):
+        raise ValueError(f"{type(config).__name__}: the draft model has recurrent (Mamba) "
+                         "layers; an in-step drafter must be attention-only")
 
 
 def suffix_spec(config: SpeculativeConfig) -> SuffixSpec | None:

@@ -38,18 +38,28 @@ def write_model_card(out: Path, model: Llama, tok: Tokenizer, *, name: str, comm
         cont = greedy_continue(model, tok, prompt, 64, bos_id=cfg.bos_token_id, eos_id=cfg.eos_token_id)
         samples.append(f"Prompt {prompt!r}, then at most 64 greedy tokens:\n\n```python\n{prompt}{cont}\n```\n")
     tc = train_meta["train_config"]
+    arch = "Llama-architecture"
+    layers = f"{cfg.num_layers} layers"
+    if cfg.is_hybrid:
+        m = cfg.mamba
+        arch = "hybrid (Bamba: Mamba-2 mixers and attention layers)"
+        layers = (f"{cfg.num_layers} layers: {len(cfg.kv_layers)} attention "
+                  f"{list(cfg.kv_layers)}, {len(cfg.recurrent_layers)} Mamba-2 of {m.num_heads} "
+                  f"heads x {m.head_dim}, state {m.state_size}, {m.num_groups} group(s), conv "
+                  f"{m.conv_kernel}; half-rotary RoPE")
     lines = [
         f"# {name}: {role}\n",
-        "A small Llama-architecture causal LM trained from scratch by `specjax.train` on the Python "
+        f"A small {arch} causal LM trained from scratch by `specjax.train` on the Python "
         "standard library source, so that specjax runs out of the box with no download. It writes "
         "plausible-looking Python and is useful for speculative-decoding experiments, not for real work.\n",
         "## Model\n",
-        f"- parameters: {n_params:,} ({cfg.num_layers} layers, hidden {cfg.hidden_size}, "
+        f"- parameters: {n_params:,} ({layers}, hidden {cfg.hidden_size}, "
         f"{cfg.num_heads} heads / {cfg.num_kv_heads} KV heads of {cfg.head_dim}, MLP {cfg.intermediate_size}, "
         f"tied embeddings, RoPE theta {cfg.rope_theta:g})",
         f"- vocabulary: {cfg.vocab_size} byte-level BPE tokens (`tokenizer.json`); `<|endoftext|>` "
         f"(id {cfg.bos_token_id}) is both BOS and EOS and separates documents",
-        f"- weights: `model.safetensors` ({cfg.dtype}, Hugging Face Llama layout, `config.json`)\n",
+        f"- weights: `model.safetensors` ({cfg.dtype}, Hugging Face "
+        f"{'Bamba' if cfg.is_hybrid else 'Llama'} layout, `config.json`)\n",
         "## Data\n",
         f"- {len(files)} `.py` files of the CPython {manifest['python_version']} standard library (tests, "
         "site-packages and generated codec tables excluded; `pydoc_data/topics.py` included for English "

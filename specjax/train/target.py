@@ -21,6 +21,8 @@ from flax import nnx
 from tokenizers import Tokenizer
 
 from specjax.models import Llama, ModelConfig
+from specjax.models.bamba import Bamba
+from specjax.models.config import ATTENTION, MAMBA, MambaConfig
 from specjax.train import corpus, data
 from specjax.train import tokenizer_training as toks
 from specjax.train.config import TrainConfig, add_train_arguments, make_optimizer, train_config_from_args
@@ -32,7 +34,7 @@ from specjax.train.workdir import WORK_DIR, check_same_run, wall_seconds
 
 def init_state(model_cfg: ModelConfig, tx: optax.GradientTransformation, seed: int):
     """-> (graphdef, state) where state = {"params": nnx.State, "opt_state": optax state}."""
-    model = Llama(model_cfg, rngs=nnx.Rngs(seed))
+    model = (Bamba if model_cfg.is_hybrid else Llama)(model_cfg, rngs=nnx.Rngs(seed))
     graphdef, params = nnx.split(model)
     state = {"params": params, "opt_state": tx.init(params)}
     # Orbax restores committed arrays, and committedness is part of jit's cache key: commit the fresh
@@ -129,6 +131,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "max_position_embeddings)")
     m.add_argument("--rope-theta", type=float, default=10000.0, help="RoPE base frequency")
     m.add_argument("--dtype", default="float32", help="parameter/compute dtype while training")
+    m.add_argument("--layer-pattern", default=None,
+                   help="a hybrid (Bamba): one letter per layer, A = attention, M = Mamba-2 "
+                        "mixer, e.g. MMAMMA; default: every layer attends (Llama)")
+    m.add_argument("--mamba-heads", type=int, default=8, help="Mamba-2 heads (hybrids)")
+    m.add_argument("--mamba-state", type=int, default=16, help="Mamba-2 state size N (hybrids)")
+    m.add_argument("--mamba-groups", type=int, default=1, help="Mamba-2 B/C groups (hybrids)")
+    m.add_argument("--mamba-expand", type=int, default=2,
+                   help="Mamba-2 inner width / hidden size (hybrids)")
     add_train_arguments(p)
     r = p.add_argument_group("run control")
     r.add_argument("--resume", action="store_true",
@@ -140,6 +150,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     r.add_argument("--no-progress", action="store_true",
                    help="no progress bar: print a line per log interval (also what happens when "
                         "stderr is not a terminal)")
+
+
+def hybrid_fields(args: argparse.Namespace) -> dict:
+    """The ModelConfig fields of `--layer-pattern` (nothing for an all-attention model)."""
+    pattern = (getattr(args, "layer_pattern", None) or "").upper()
+    if not pattern or set(pattern) == {"A"}:
+        if pattern and len(pattern) != args.layers:
+            raise SystemExit(f"--layer-pattern has {len(pattern)} letters for {args.layers} layers")
+        return {}
+    if len(pattern) != args.layers or not set(pattern) <= {"A", "M"}:
+        raise SystemExit(f"--layer-pattern must be {args.layers} letters of A and M, got "
+                         f"{args.layer_pattern!r}")
+    inner = args.mamba_expand * args.d_model
+    if inner % args.mamba_heads:
+        raise SystemExit(f"--mamba-heads {args.mamba_heads} must divide --mamba-expand x "
+                         f"--d-model ({inner})")
+    return dict(model_type="bamba", partial_rotary_factor=0.5,
+                layer_types=tuple(ATTENTION if c == "A" else MAMBA for c in pattern),
+                mamba=MambaConfig(num_heads=args.mamba_heads, head_dim=inner // args.mamba_heads,
+                                  num_groups=args.mamba_groups, state_size=args.mamba_state))
 
 
 def prepare_corpus(out: Path, vocab_size: int) -> tuple[Tokenizer, dict, np.ndarray, np.ndarray]:
@@ -180,7 +210,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         vocab_size=tok.get_vocab_size(), hidden_size=args.d_model, intermediate_size=args.ffn,
         num_layers=args.layers, num_heads=args.heads, num_kv_heads=args.kv_heads, head_dim=args.head_dim,
         max_position_embeddings=args.max_position, rope_theta=args.rope_theta, tie_word_embeddings=True,
-        dtype=args.dtype, bos_token_id=bos, eos_token_id=bos, model_type="llama",
+        dtype=args.dtype, bos_token_id=bos, eos_token_id=bos,
+        **({"model_type": "llama"} | hybrid_fields(args)),
     )
     tc = train_config_from_args(args)
     commands = check_same_run(work, model_cfg, tc, argv)

@@ -9,7 +9,8 @@ from specjax import SamplingParams  # noqa: E402
 PROMPTS = [[5, 17, 3, 88, 41, 9, 2], [60], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22]]
 
 
-@pytest.mark.parametrize("family", ["llama3", "qwen2_bias", "qwen3_qknorm_tied", "mistral_window"])
+@pytest.mark.parametrize("family", ["llama3", "qwen2_bias", "qwen3_qknorm_tied", "mistral_window",
+                                    "bamba"])
 def test_engine_greedy_equals_transformers_generate(hf_checkpoint, family):
     folder, hf = hf_checkpoint(family)
     llm = specjax.LLM(str(folder), dtype="float32", max_batch_size=2, max_prefill_rows=1,

@@ -16,7 +16,8 @@ transformers = pytest.importorskip("transformers")
 from specjax.models import Llama, load_hf_checkpoint, save_hf_checkpoint  # noqa: E402
 
 SEQUENCES = np.random.default_rng(0).integers(0, 97, size=(3, 13))
-FAMILIES = ["llama3", "qwen2_bias", "qwen3_qknorm_tied", "mistral_window", "llama_tied_linear"]
+FAMILIES = ["llama3", "qwen2_bias", "qwen3_qknorm_tied", "mistral_window", "llama_tied_linear",
+            "bamba"]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)

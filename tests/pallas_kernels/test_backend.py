@@ -13,6 +13,7 @@ from pallas_kernels.kv_gather import (gather_kv_pages, gather_kv_pages_kernel,
                                       relocate_kv_reference)
 from pallas_kernels.paged_attention import (paged_attention, paged_attention_kernel,
                                             paged_attention_reference)
+from pallas_kernels.ssm_scan import ssm_scan, ssm_scan_reference
 from pallas_kernels.rejection_sampling import (chain_speculative_sampling,
                                                chain_speculative_sampling_kernel,
                                                chain_speculative_sampling_reference)
@@ -20,7 +21,8 @@ from pallas_kernels.rejection_sampling import (chain_speculative_sampling,
 PUBLIC = [(chain_speculative_sampling, chain_speculative_sampling_reference),
           (paged_attention, paged_attention_reference),
           (relocate_kv, relocate_kv_reference),
-          (gather_kv_pages, gather_kv_pages_reference)]
+          (gather_kv_pages, gather_kv_pages_reference),
+          (ssm_scan, ssm_scan_reference)]
 
 
 @pytest.fixture

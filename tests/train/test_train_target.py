@@ -81,3 +81,29 @@ def test_cli_has_subcommands():
     args = parser.parse_args(["target", "--out", "x", "--steps", "3", "--d-model", "64"])
     assert (args.command, args.steps, args.d_model, args.batch_size) == ("target", 3, 64, TC.__class__().batch_size)
     assert parser.parse_args(["eval", "--model", "m"]).command == "eval"
+
+
+def test_a_hybrid_trains_and_exports_as_bamba(streams, tmp_path):
+    """`--layer-pattern` trains a Bamba (Mamba-2 mixers beside attention): its loss falls, and
+    the exported folder loads back as the same hybrid."""
+    import argparse
+
+    import jax.numpy as jnp
+
+    from specjax.models import load_hf_checkpoint, save_hf_checkpoint
+    from specjax.models.bamba import Bamba
+    from specjax.train.target import hybrid_fields
+
+    args = argparse.Namespace(layer_pattern="MA", layers=2, d_model=32, mamba_heads=4,
+                              mamba_state=8, mamba_groups=1, mamba_expand=2)
+    cfg = CFG.replace(**hybrid_fields(args))
+    assert cfg.is_hybrid and cfg.kv_layers == (1,) and cfg.recurrent_layers == (0,)
+    model, entries = train(cfg, TC, *streams, tmp_path / "work", progress=False)
+    losses = _losses(entries)
+    assert isinstance(model, Bamba) and losses[4] < losses[1]
+    save_hf_checkpoint(model, tmp_path / "export")
+    again = load_hf_checkpoint(tmp_path / "export")
+    tokens = jnp.asarray(streams[1][None, :16])
+    np.testing.assert_array_equal(np.asarray(again(tokens)), np.asarray(model(tokens)))
+    with pytest.raises(SystemExit, match="letters of A and M"):
+        hybrid_fields(argparse.Namespace(**{**vars(args), "layer_pattern": "MX"}))
