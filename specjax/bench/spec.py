@@ -124,8 +124,9 @@ def prompt_sets(humaneval: int, categories: str | None = None) -> dict[str, list
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="bundled",
-                        help="the target: 'bundled' or a Hugging Face Llama checkpoint folder "
-                             "(the shipped drafters are trained for the bundled target)")
+                        help="the target: 'bundled' or a Hugging Face checkpoint folder "
+                             "(Llama family, or Bamba: a hybrid, see --recurrent-commit; the "
+                             "shipped drafters are trained for the bundled target)")
     parser.add_argument("--config", action="append", default=[],
                         help="a speculative config, repeatable: a mode name (ngram, sa, "
                              "draft_target, eagle3, mtp, pard, dflash: with the shipped drafter "
