@@ -60,10 +60,14 @@ class RecurrentPool:
                             ssm=self.ssm.at[:, slots].set(jnp.stack(ssm)))
 
 
-def make_recurrent_pool(config: ModelConfig, num_slots: int, commit_mode: str = "replay"
-                        ) -> RecurrentPool:
+def check_commit_mode(commit_mode: str) -> None:
     if commit_mode not in COMMIT_MODES:
         raise ValueError(f"recurrent_commit must be one of {COMMIT_MODES}, got {commit_mode!r}")
+
+
+def make_recurrent_pool(config: ModelConfig, num_slots: int, commit_mode: str = "replay"
+                        ) -> RecurrentPool:
+    check_commit_mode(commit_mode)
     conv, ssm = state_shapes(config)
     L = len(config.recurrent_layers)
     return RecurrentPool(conv=jnp.zeros((L, num_slots + 1, *conv), jnp.dtype(config.dtype)),

@@ -27,7 +27,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from specjax.core.aux_state import aux_bytes_per_slot
-from specjax.core.recurrent import COMMIT_MODES
+from specjax.core.recurrent import check_commit_mode
 from specjax.core.sharding import TP, TensorParallel, make_mesh
 from specjax.core.state import init_state, split_model
 from specjax.core.steps import runs_on_device
@@ -59,9 +59,6 @@ def hybrid_engine_config(config: EngineConfig, tp) -> EngineConfig:
     if tp is not None:
         raise ValueError("tensor parallelism does not support hybrid (Mamba) targets yet: "
                          "use tensor_parallel_size=1")
-    if config.recurrent_commit not in COMMIT_MODES:
-        raise ValueError(f"recurrent_commit must be one of {COMMIT_MODES}, got "
-                         f"{config.recurrent_commit!r}")
     if config.enable_prefix_cache:
         log.info("prefix cache off: a hybrid target's recurrent state cannot be rebuilt from "
                  "cached K/V blocks")
@@ -106,6 +103,7 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 2):
                 raise ValueError(f"{name} must be an int >= 2, got {value!r}")
+        check_commit_mode(self.recurrent_commit)
         sizes = self.batch_sizes
         if sizes is not None and (
                 not isinstance(sizes, tuple) or not sizes

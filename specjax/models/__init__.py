@@ -1,5 +1,5 @@
-"""Models and their checkpoints: the Llama-family target (and Bamba, a hybrid one), the drafters that ride beside it
-(EAGLE-3, MTP, PARD, DFlash), and their on-disk formats."""
+"""Models and their checkpoints: the Llama-family target (and Bamba, a hybrid one), the
+drafters that ride beside it (EAGLE-3, MTP, PARD, DFlash), and their on-disk formats."""
 from specjax.models.checkpoint_io import CheckpointError, read_safetensors
 from specjax.models.bamba import Bamba
 from specjax.models.config import ATTENTION, MAMBA, MambaConfig, ModelConfig, RopeScaling
@@ -13,7 +13,8 @@ from specjax.models.mtp_checkpoint import load_mtp_heads, save_mtp_heads
 from specjax.models.mtp_head import MTPHeads, MTPModule
 from specjax.models.pard_checkpoint import read_mask_token, save_pard_model
 
-__all__ = ["ATTENTION", "Bamba", "MAMBA", "MambaConfig", "CheckpointError", "DFlashHead", "DFlashHeadConfig", "Eagle3Head", "Eagle3HeadConfig",
+__all__ = ["ATTENTION", "Bamba", "CheckpointError", "DFlashHead", "DFlashHeadConfig",
+           "Eagle3Head", "Eagle3HeadConfig", "MAMBA", "MambaConfig",
            "Llama", "MTPHeads", "MTPModule", "ModelConfig", "RopeScaling", "dense_attention",
            "load_dflash_head", "load_eagle3_head", "load_hf_checkpoint", "load_mtp_heads",
            "read_mask_token", "read_safetensors", "rms_norm", "save_dflash_head",

@@ -24,8 +24,8 @@ from pallas_kernels.ssm_scan import ssm_scan
 from pallas_kernels.ssm_scan.reference import ssm_scan_states_reference
 from specjax.models.config import ATTENTION, ModelConfig
 from specjax.models.fused import fuse_projections, projection_sizes, unfuse_projections
-from specjax.models.llama import (AttendFn, Llama, layer_finish, layer_param_shapes, layer_qkv,
-                                  mlp_block, rms_norm)
+from specjax.models.llama import (AttendFn, Llama, init_params, layer_finish,
+                                  layer_param_shapes, layer_qkv, mlp_block, rms_norm)
 from specjax.models.rope import rope_tables
 
 
@@ -77,12 +77,13 @@ class Recurrence(Protocol):
 
 
 class ZeroRecurrence:
-    """Every row starts from zero state; tapes are kept (`tapes`) for inspection."""
+    """The dense forward's: every row starts from zero state, every position is real, and
+    the tapes are dropped."""
 
-    def __init__(self, config: ModelConfig, batch: int, valid: jax.Array | None = None,
-                 keep_states: bool = False):
-        self.config, self.batch, self.valid, self.keep_states = config, batch, valid, keep_states
-        self.tapes: dict[int, MixerTape] = {}
+    valid, keep_states = None, False
+
+    def __init__(self, config: ModelConfig, batch: int):
+        self.config, self.batch = config, batch
 
     def initial(self, index):
         conv, ssm = state_shapes(self.config)
@@ -91,7 +92,7 @@ class ZeroRecurrence:
                 jnp.zeros((self.batch, *ssm), jnp.float32))
 
     def record(self, index, tape):
-        self.tapes[index] = tape
+        pass
 
 
 def state_shapes(config: ModelConfig) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -162,22 +163,11 @@ class Bamba(Llama):
         self.embed = nnx.Param(init(rngs.params(), (config.vocab_size, d), dtype))
         # Hugging Face's initial values; made per layer (one shared array would be donated
         # twice by a training step).
-        special = {"A_log": lambda: jnp.log(jnp.arange(1, H + 1, dtype=jnp.float32)).astype(dtype),
-                   "D": lambda: jnp.ones((H,), dtype), "dt_bias": lambda: jnp.ones((H,), dtype)}
-        layers = []
-        for i in range(config.num_layers):
-            params = {}
-            for name, shape in layer_shapes(config, i).items():
-                if name in special:
-                    params[name] = nnx.Param(special[name]())
-                elif name.endswith("norm"):
-                    params[name] = nnx.Param(jnp.ones(shape, dtype))
-                elif name.endswith("bias"):
-                    params[name] = nnx.Param(jnp.zeros(shape, dtype))
-                else:
-                    params[name] = nnx.Param(init(rngs.params(), shape, dtype))
-            layers.append(nnx.Dict(params))
-        self.layers = nnx.List(layers)
+        fixed = {"A_log": lambda: jnp.log(jnp.arange(1, H + 1, dtype=jnp.float32)).astype(dtype),
+                 "D": lambda: jnp.ones((H,), dtype), "dt_bias": lambda: jnp.ones((H,), dtype)}
+        self.layers = nnx.List([nnx.Dict(init_params(layer_shapes(config, i), dtype, init, rngs,
+                                                     fixed))
+                                for i in range(config.num_layers)])
         self.final_norm = nnx.Param(jnp.ones((d,), dtype))
         if not config.tie_word_embeddings:
             self.lm_head = nnx.Param(init(rngs.params(), (d, config.vocab_size), dtype))

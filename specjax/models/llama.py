@@ -69,8 +69,23 @@ def layer_param_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _is_norm(name: str) -> bool:
-    return name.endswith("norm")
+def init_params(shapes: dict[str, tuple[int, ...]], dtype, init, rngs: nnx.Rngs,
+                fixed: dict[str, Callable[[], jax.Array]] | None = None
+                ) -> dict[str, nnx.Param]:
+    """Fresh parameters by name, in `shapes`' order: `fixed[name]()` where given, norms ones,
+    biases zeros, the rest drawn from `init` (one key each, so the same shapes and seed give
+    the same values)."""
+    params = {}
+    for name, shape in shapes.items():
+        if fixed and name in fixed:
+            params[name] = nnx.Param(fixed[name]())
+        elif name.endswith("norm"):
+            params[name] = nnx.Param(jnp.ones(shape, dtype))
+        elif name.endswith("bias"):
+            params[name] = nnx.Param(jnp.zeros(shape, dtype))
+        else:
+            params[name] = nnx.Param(init(rngs.params(), shape, dtype))
+    return params
 
 
 class Llama(nnx.Module):
@@ -82,15 +97,9 @@ class Llama(nnx.Module):
         init = nnx.initializers.normal(config.initializer_range)
         L, d = config.num_layers, config.hidden_size
         self.embed = nnx.Param(init(rngs.params(), (config.vocab_size, d), dtype))
-        layers = {}
-        for name, shape in layer_param_shapes(config).items():
-            if _is_norm(name):
-                layers[name] = nnx.Param(jnp.ones((L, *shape), dtype))
-            elif name.endswith("bias"):
-                layers[name] = nnx.Param(jnp.zeros((L, *shape), dtype))
-            else:
-                layers[name] = nnx.Param(init(rngs.params(), (L, *shape), dtype))
-        self.layers = nnx.Dict(layers)
+        self.layers = nnx.Dict(init_params(
+            {name: (L, *shape) for name, shape in layer_param_shapes(config).items()},
+            dtype, init, rngs))
         self.final_norm = nnx.Param(jnp.ones((d,), dtype))
         if not config.tie_word_embeddings:
             self.lm_head = nnx.Param(init(rngs.params(), (d, config.vocab_size), dtype))

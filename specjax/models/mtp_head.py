@@ -30,8 +30,8 @@ from flax import nnx
 
 from specjax.models.config import ModelConfig
 from specjax.models.fused import fuse_projections
-from specjax.models.llama import (HeadAttendFn, Llama, dense_attention, layer_finish,
-                                  layer_param_shapes, layer_qkv, rms_norm)
+from specjax.models.llama import (HeadAttendFn, Llama, dense_attention, init_params,
+                                  layer_finish, layer_param_shapes, layer_qkv, rms_norm)
 from specjax.models.rope import rope_tables
 
 
@@ -62,15 +62,7 @@ class MTPModule(nnx.Module):
         self.enorm = nnx.Param(jnp.ones((H,), dtype))
         self.hnorm = nnx.Param(jnp.ones((H,), dtype))
         self.eh_proj = nnx.Param(init(rngs.params(), (2 * H, H), dtype))
-        block = {}
-        for name, shape in layer_param_shapes(config).items():
-            if name.endswith("norm"):
-                block[name] = nnx.Param(jnp.ones(shape, dtype))
-            elif name.endswith("bias"):
-                block[name] = nnx.Param(jnp.zeros(shape, dtype))
-            else:
-                block[name] = nnx.Param(init(rngs.params(), shape, dtype))
-        self.block = nnx.Dict(block)
+        self.block = nnx.Dict(init_params(layer_param_shapes(config), dtype, init, rngs))
         self.final_norm = nnx.Param(jnp.ones((H,), dtype))
 
     def _block_params(self) -> dict[str, jax.Array]:
