@@ -19,14 +19,16 @@ TREE_MAX_NODES = 32  # run slots a tree_mask can address (bits of an int32)
 def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax.Array,
                     k_positions: jax.Array, window: jax.Array | int = NO_WINDOW,
                     k_valid: jax.Array | None = None,
-                    mask: jax.Array | None = None) -> jax.Array:
+                    mask: jax.Array | None = None, with_lse: bool = False):
     """Grouped-query attention with a causal (and optional sliding-window) mask on positions.
 
     q `[B, T, H, hd]`, k/v `[B, S, KV, hd]`, q_positions `[B, T]`, k_positions `[B, S]`,
     k_valid `[B, S]` bool (optional) -> `[B, T, H, hd]`. Softmax runs in float32.
     `mask` `[B, T, S]` bool (optional) replaces the positional causal/window test (query t
     sees key s iff `mask[b, t, s]`); `k_valid` still applies on top. Rows that see no key
-    give zeros.
+    give zeros. `with_lse`: also return each row's log-sum-exp of its scores `[B, T, H]`
+    float32 (-inf where it sees no key), so attention over two sets of keys can be computed
+    apart and merged (`merge_attention`).
     """
     B, T, H, hd = q.shape
     KV = k.shape[2]
@@ -46,11 +48,35 @@ def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax.A
     mask = mask[:, None]
     scores = jnp.where(mask, scores, -jnp.inf)
     top = jnp.max(scores, axis=-1, keepdims=True)
-    probs = jnp.where(mask, jnp.exp(scores - jnp.where(jnp.isfinite(top), top, 0.0)), 0.0)
+    top = jnp.where(jnp.isfinite(top), top, 0.0)
+    probs = jnp.where(mask, jnp.exp(scores - top), 0.0)
+    total = jnp.sum(probs, axis=-1, keepdims=True)
     # Rows with no visible key get zeros, not NaN.
-    probs = probs / jnp.maximum(jnp.sum(probs, axis=-1, keepdims=True), 1e-30)
+    probs = probs / jnp.maximum(total, 1e-30)
     out = jnp.matmul(probs.astype(v.dtype), vh)  # [B, KV, T*G, hd]
-    return out.reshape(B, KV, T, G, hd).transpose(0, 2, 1, 3, 4).reshape(B, T, H, hd)
+    out = out.reshape(B, KV, T, G, hd).transpose(0, 2, 1, 3, 4).reshape(B, T, H, hd)
+    if not with_lse:
+        return out
+    lse = jnp.where(total > 0, top + jnp.log(jnp.maximum(total, 1e-30)), -jnp.inf)
+    return out, lse.reshape(B, KV, T, G).transpose(0, 2, 1, 3).reshape(B, T, H)
+
+
+def merge_attention(a: tuple[jax.Array, jax.Array], b: tuple[jax.Array, jax.Array]
+                    ) -> tuple[jax.Array, jax.Array]:
+    """Attention over the union of two disjoint key sets from each set's (out `[B, T, H, hd]`,
+    lse `[B, T, H]`) (`dense_attention(..., with_lse=True)`): each part weighted by its share
+    of the softmax mass -> (out, lse) of the union. Rows that see no key in either give
+    zeros."""
+    (out_a, lse_a), (out_b, lse_b) = a, b
+    top = jnp.maximum(lse_a, lse_b)
+    top = jnp.where(jnp.isfinite(top), top, 0.0)
+    wa, wb = jnp.exp(lse_a - top), jnp.exp(lse_b - top)
+    total = wa + wb
+    safe = jnp.maximum(total, 1e-30)
+    out = (out_a.astype(jnp.float32) * (wa / safe)[..., None]
+           + out_b.astype(jnp.float32) * (wb / safe)[..., None])
+    lse = jnp.where(total > 0, top + jnp.log(safe), -jnp.inf)
+    return out.astype(out_a.dtype), lse
 
 
 def tree_visibility(q_positions: jax.Array, k_slots: jax.Array, window: jax.Array | int,
@@ -72,6 +98,7 @@ def paged_attention_reference(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array
                               q_positions: jax.Array, context_lens: jax.Array,
                               window: jax.Array | int = NO_WINDOW,
                               tree_mask: jax.Array | None = None, *,
+                              chunk_blocks: int | None = None,
                               interpret: bool | None = None) -> jax.Array:
     """Attention of a run of query tokens per request over that request's cached positions.
 
@@ -93,10 +120,17 @@ def paged_attention_reference(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array
         (the row's ancestors and itself); slots `run_start + 32` and on are never seen.
     Run keys get no window test: windows are assumed wider than the tree. Padding rows give
     `tree_mask` 0 (they see only context). `tree_mask=None` is the plain causal run above.
+    `chunk_blocks`: read the table `chunk_blocks` blocks at a time, only as many chunks as
+    the longest context needs (a loop with a dynamic trip count, partial softmaxes merged):
+    the cost follows the batch's context, not the table's width, in one compiled body. None:
+    the whole table at once (the oracle).
     `interpret` is accepted for signature parity with the kernel and ignored.
     """
     del interpret
     B, M = block_tables.shape
+    if chunk_blocks is not None and chunk_blocks < M:
+        return paged_attention_chunks(q, k_pool, v_pool, layer, block_tables, q_positions,
+                                      context_lens, window, tree_mask, chunk_blocks)[0]
     S = M * k_pool.shape[2]
     k = gather_kv_pages_reference(k_pool, layer, block_tables)
     v = gather_kv_pages_reference(v_pool, layer, block_tables)
@@ -106,3 +140,37 @@ def paged_attention_reference(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array
         return dense_attention(q, k, v, q_positions, k_positions, window, k_valid)
     mask = tree_visibility(q_positions, k_positions, window, tree_mask)
     return dense_attention(q, k, v, q_positions, k_positions, window, k_valid, mask=mask)
+
+
+def paged_attention_chunks(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
+                           layer: jax.Array | int, block_tables: jax.Array,
+                           q_positions: jax.Array, context_lens: jax.Array,
+                           window: jax.Array | int = NO_WINDOW,
+                           tree_mask: jax.Array | None = None, chunk_blocks: int = 8
+                           ) -> tuple[jax.Array, jax.Array]:
+    """`paged_attention_reference` over `chunk_blocks` blocks of the table at a time, as many
+    chunks as `max(context_lens)` needs -> (out `[B, T, H, hd]` float32, lse `[B, T, H]`: for
+    `merge_attention` with keys that are not in the pool)."""
+    B, M = block_tables.shape
+    T, H, hd = q.shape[1:]
+    bs = k_pool.shape[2]
+    chunks = -(-M // chunk_blocks)
+    tables = jnp.pad(block_tables, ((0, 0), (0, chunks * chunk_blocks - M)))  # null block
+    S = chunk_blocks * bs
+    slots = jnp.arange(S)
+
+    def chunk(i, acc):
+        t = jax.lax.dynamic_slice_in_dim(tables, i * chunk_blocks, chunk_blocks, axis=1)
+        k = gather_kv_pages_reference(k_pool, layer, t)
+        v = gather_kv_pages_reference(v_pool, layer, t)
+        k_positions = jnp.broadcast_to(i * S + slots, (B, S))
+        k_valid = k_positions < context_lens[:, None]
+        mask = None if tree_mask is None else tree_visibility(q_positions, k_positions,
+                                                              window, tree_mask)
+        part = dense_attention(q, k, v, q_positions, k_positions, window, k_valid, mask=mask,
+                               with_lse=True)
+        return merge_attention(acc, (part[0].astype(jnp.float32), part[1]))
+
+    needed = jnp.minimum((jnp.max(context_lens) + S - 1) // S, chunks)
+    empty = (jnp.zeros((B, T, H, hd), jnp.float32), jnp.full((B, T, H), -jnp.inf))
+    return jax.lax.fori_loop(0, needed, chunk, empty)

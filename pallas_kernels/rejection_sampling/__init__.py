@@ -10,8 +10,9 @@ import jax
 
 from pallas_kernels.backend import dispatch
 from pallas_kernels.rejection_sampling.kernel import chain_speculative_sampling_kernel
-from pallas_kernels.rejection_sampling.reference import (chain_speculative_sampling_reference,
-                                                          counter_uniform)
+from pallas_kernels.rejection_sampling.reference import (bits_to_uniform,
+                                                          chain_speculative_sampling_reference,
+                                                          counter_bits, counter_uniform, mix32)
 
 
 def chain_speculative_sampling(
@@ -24,5 +25,5 @@ def chain_speculative_sampling(
                     interpret=interpret)
 
 
-__all__ = ["chain_speculative_sampling", "chain_speculative_sampling_kernel",
-           "chain_speculative_sampling_reference", "counter_uniform"]
+__all__ = ["bits_to_uniform", "chain_speculative_sampling", "chain_speculative_sampling_kernel",
+           "chain_speculative_sampling_reference", "counter_bits", "counter_uniform", "mix32"]

@@ -12,9 +12,12 @@ import jax.numpy as jnp
 
 ACCEPT_STREAM = 0    # the uniform compared with p/q for the draft at a position
 RESIDUAL_STREAM = 1  # the uniform that picks the correction (or bonus) token at a position
+# Streams 2 and 3 are the samplers' (`specjax.core.sampling`): a position's target and draft
+# draws. A stream is one of STREAMS counters per position, so no two streams ever share one.
+STREAMS = 4
 
 
-def _fmix32(x: jax.Array) -> jax.Array:
+def mix32(x: jax.Array) -> jax.Array:
     """MurmurHash3's 32-bit finaliser: a bijection with full avalanche."""
     x = x ^ (x >> 16)
     x = x * jnp.uint32(0x85EBCA6B)
@@ -23,12 +26,22 @@ def _fmix32(x: jax.Array) -> jax.Array:
     return x ^ (x >> 16)
 
 
+def counter_bits(seeds: jax.Array, positions: jax.Array, stream: int) -> jax.Array:
+    """32 random bits (uint32) from (seed, position, stream); shapes broadcast."""
+    seeds = jnp.asarray(seeds).astype(jnp.uint32)
+    counter = (jnp.asarray(positions).astype(jnp.uint32) * jnp.uint32(STREAMS)
+               + jnp.uint32(stream))
+    return mix32(mix32(seeds ^ jnp.uint32(0x9E3779B9)) ^ mix32(counter + jnp.uint32(0x7F4A7C15)))
+
+
+def bits_to_uniform(bits: jax.Array) -> jax.Array:
+    """uint32 bits -> float32 uniforms in [0, 1) (their top 24 bits)."""
+    return (bits >> 8).astype(jnp.float32) * jnp.float32(2.0 ** -24)
+
+
 def counter_uniform(seeds: jax.Array, positions: jax.Array, stream: int) -> jax.Array:
     """Uniforms in [0, 1) from (seed, position, stream); shapes broadcast. float32."""
-    seeds = jnp.asarray(seeds).astype(jnp.uint32)
-    counter = jnp.asarray(positions).astype(jnp.uint32) * jnp.uint32(2) + jnp.uint32(stream)
-    h = _fmix32(_fmix32(seeds ^ jnp.uint32(0x9E3779B9)) ^ _fmix32(counter + jnp.uint32(0x7F4A7C15)))
-    return (h >> 8).astype(jnp.float32) * jnp.float32(2.0 ** -24)
+    return bits_to_uniform(counter_bits(seeds, positions, stream))
 
 
 def sample_inverse_cdf(weights: jax.Array, u: jax.Array) -> jax.Array:

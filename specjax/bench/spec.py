@@ -302,8 +302,8 @@ def run(args: argparse.Namespace) -> None:
     sets = prompt_sets(args.humaneval, args.categories)
     prompts = [p for group in sets.values() for p in group]
     # Sized to the workload, as a server would be: attention reads only the blocks a batch can
-    # see (`with_narrowest_table`), but a longer max_model_len adds table widths to compile and
-    # KV pool to allocate for every engine this bench builds.
+    # see (`paged_attention_chunks`), but a longer max_model_len adds KV pool to allocate for
+    # every engine this bench builds.
     longest = max(len(t) for t in map(Tokenizer.from_folder(path).encode, prompts))
     limit = json.loads((path / "config.json").read_text())["max_position_embeddings"]
     max_len = min(limit, max(256, 1 << (longest + args.max_tokens + 16).bit_length()))

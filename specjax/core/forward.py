@@ -3,23 +3,19 @@ pool through the row's block table. Target and drafter heads share `PagedAttenti
 pools line up block for block."""
 from __future__ import annotations
 
-import functools
-from typing import Any, Callable, Mapping, Sequence, TypeVar
+from typing import Any, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from pallas_kernels.kv_gather import gather_kv_pages
-from pallas_kernels.paged_attention import paged_attention
+from pallas_kernels.paged_attention import paged_attention, paged_attention_chunks
 from specjax.core.batch import StepBatch
 from specjax.core.kv import NULL_BLOCK, KVPool
-from specjax.core.sharding import HEADS, POOL, heads_local
+from specjax.core.sharding import HEADS, POOL, TP, heads_local
 from specjax.core.tree import TreeLayout
 from specjax.models.llama import NO_WINDOW, Llama, layer_windows
-
-T = TypeVar("T")
-
 
 def kv_destinations(batch: StepBatch, tokens_per_block: int) -> tuple[jax.Array, jax.Array]:
     """(block ids, offsets), each `[B, T]`, where the runs' K/V go; padding goes to the null
@@ -32,42 +28,15 @@ def kv_destinations(batch: StepBatch, tokens_per_block: int) -> tuple[jax.Array,
     return jnp.where(valid, blocks, NULL_BLOCK), positions % tokens_per_block
 
 
-# Block-table widths a step chooses from (`with_narrowest_table`): at most this many, none
-# narrower than this many tokens. Each width adds one attention branch per layer to the
-# compiled step (compile time), so a few, a factor of 2 apart, cover a long max_model_len.
-MAX_TABLE_WIDTHS = 4
-MIN_TABLE_TOKENS = 64
+# Attention over the pool reads the block table this many tokens at a time, only as many chunks
+# as the batch's longest context needs (`paged_attention_chunks`): the cost follows the
+# context, not max_model_len, and the compiled step holds one attention body.
+CONTEXT_CHUNK_TOKENS = 128
 
 
-def table_widths(max_blocks: int, tokens_per_block: int) -> tuple[int, ...]:
-    """`max_blocks` (the whole table) and the powers of two below it, each at most half the
-    next, from the widest down: at most MAX_TABLE_WIDTHS, none under MIN_TABLE_TOKENS."""
-    floor = -(-MIN_TABLE_TOKENS // tokens_per_block)
-    widths = [max_blocks]
-    w = 1 << ((max_blocks // 2).bit_length() - 1) if max_blocks >= 2 else 0
-    while w >= max(floor, 1) and len(widths) < MAX_TABLE_WIDTHS:
-        widths.append(w)
-        w //= 2
-    return tuple(sorted(widths))
-
-
-def with_narrowest_table(read: Callable[[jax.Array], T], block_tables: jax.Array,
-                         context_lens: jax.Array, tokens_per_block: int) -> T:
-    """`read(block_tables[:, :w])` for the narrowest width w in `table_widths` whose blocks
-    hold every row's context (`context_lens` `[B]`, 0 for padded rows).
-
-    Attention reads every block of the table it is given, and the table is as wide as the
-    longest sequence the engine admits: at a 2k max_model_len that is more bytes per step than
-    the weights, for a context of a hundred tokens. One branch per width, chosen on the device
-    by a conditional, keeps it one compiled program: no compile per width, and no host round
-    trip (under the overlap scheduler only the device knows where a row stands)."""
-    widths = table_widths(block_tables.shape[1], tokens_per_block)
-    if len(widths) == 1:
-        return read(block_tables)
-    needed = -(-jnp.max(context_lens) // tokens_per_block)  # blocks
-    index = jnp.searchsorted(jnp.asarray(widths), needed)  # first width >= needed
-    branches = [functools.partial(lambda w: read(block_tables[:, :w]), w) for w in widths]
-    return jax.lax.switch(jnp.minimum(index, len(widths) - 1), branches)
+def chunk_blocks(tokens_per_block: int) -> int:
+    """Blocks per chunk of a table read (`CONTEXT_CHUNK_TOKENS`)."""
+    return max(1, CONTEXT_CHUNK_TOKENS // tokens_per_block)
 
 
 class PagedAttention:
@@ -83,9 +52,9 @@ class PagedAttention:
         depths = jnp.arange(T)[None, :] if tree is None else tree.depths
         self.positions = batch.start_pos[:, None] + depths           # [B, T]
         self.tree_mask = None if tree is None else tree.ancestors
-        self.context_lens = batch.start_pos + batch.query_lens      # [B]
-        # What picks the table width: padded rows (whose slot start may be anything) see none.
-        self.visible_lens = jnp.where(batch.query_lens > 0, self.context_lens, 0)
+        # Padded rows (whose slot start may be anything) see nothing, and add no chunks.
+        self.context_lens = jnp.where(batch.query_lens > 0, batch.start_pos + batch.query_lens,
+                                      0)                               # [B]
         self.tokens_per_block = tokens_per_block
         self.blocks, self.offsets = kv_destinations(batch, tokens_per_block)
 
@@ -99,11 +68,11 @@ class PagedAttention:
         # The window and the tree mask are the same on every device: closed over, replicated.
         attend = heads_local(
             lambda q, k, v, tables, positions, lens: paged_attention(
-                q, k, v, layer, tables, positions, lens, window, self.tree_mask),
+                q, k, v, layer, tables, positions, lens, window, self.tree_mask,
+                chunk_blocks=chunk_blocks(self.tokens_per_block)),
             pool.mesh, (HEADS, POOL, POOL, P(), P(), P()), HEADS)
-        out = with_narrowest_table(
-            lambda tables: attend(q, pool.k, pool.v, tables, self.positions, self.context_lens),
-            self.batch.block_tables, self.visible_lens, self.tokens_per_block)
+        out = attend(q, pool.k, pool.v, self.batch.block_tables, self.positions,
+                     self.context_lens)
         return out.astype(q.dtype)
 
     def attend(self, q, k, v, layer, pool: KVPool) -> tuple[jax.Array, KVPool]:
@@ -123,6 +92,21 @@ def gather_context(pool: KVPool, layer: int, block_tables: jax.Array, context_le
                          pool.mesh, (POOL, P()), HEADS)
     return (gather(pool.k, block_tables), gather(pool.v, block_tables),
             positions, positions < context_lens[:, None])
+
+
+def context_attention(q: jax.Array, pool: KVPool, layer, block_tables: jax.Array,
+                      q_positions: jax.Array, context_lens: jax.Array
+                      ) -> tuple[jax.Array, jax.Array]:
+    """Queries `[B, T, H, hd]` at `q_positions` `[B, T]` over one pool layer's context
+    (positions < `context_lens` `[B]`; 0 for padded rows) -> (out `[B, T, H, hd]`, lse
+    `[B, T, H]`), read a chunk of blocks at a time as far as the context goes. For rows whose
+    own K/V stay local: `merge_attention` adds attention over those."""
+    read = heads_local(
+        lambda q, k, v, tables, positions, lens: paged_attention_chunks(
+            q, k, v, layer, tables, positions, lens,
+            chunk_blocks=chunk_blocks(pool.tokens_per_block)),
+        pool.mesh, (HEADS, POOL, POOL, P(), P(), P()), (HEADS, P(None, None, TP)))
+    return read(q, pool.k, pool.v, block_tables, q_positions, context_lens)
 
 
 def paged_forward(model: Llama, kv: KVPool, batch: StepBatch,

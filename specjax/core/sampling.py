@@ -3,15 +3,20 @@
 Draft-side and target-side distributions must come from this same function with the same
 parameters, or rejection sampling silently corrupts the output distribution.
 
-Randomness is per request: the key for the token at position `p` is `fold_in(key(seed), p)`,
-so a seeded request samples the same tokens whatever else is in the batch, and a request
-recomputed after preemption samples what it sampled before.
+Randomness is per request and counter-based: the key for the token at position `p` is a hash
+of (seed, p, stream) (`pallas_kernels.rejection_sampling.counter_bits`, the rejection
+sampler's own hash, on streams of their own), so a seeded request samples the same tokens
+whatever else is in the batch, and a request recomputed after preemption samples what it
+sampled before. A draw is the Gumbel-max of the filtered logits with one hashed uniform per
+vocabulary entry: a few integer operations per entry, where a threefry key per row would
+unroll twenty rounds of it into every compiled step.
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.rejection_sampling import bits_to_uniform, counter_bits, mix32
 from specjax.core.logits import apply_bias
 from specjax.core.penalties import PenaltyState, penalize_draft
 
@@ -43,9 +48,24 @@ def filter_logits(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
     return jnp.where(x >= threshold, x, -jnp.inf)
 
 
-def sampling_keys(seeds: jax.Array, positions: jax.Array) -> jax.Array:
-    """seeds `[B]` uint32, positions `[B]` -> one typed PRNG key per row `[B]`."""
-    return jax.vmap(lambda s, p: jax.random.fold_in(jax.random.key(s), p))(seeds, positions)
+TARGET_STREAM = 2  # the target's token at a position (rejection sampling has 0 and 1)
+DRAFT_STREAM = 3   # a drafter's token at a position
+
+
+def sampling_keys(seeds: jax.Array, positions: jax.Array, stream: int = TARGET_STREAM
+                  ) -> jax.Array:
+    """seeds `[B]` uint32, positions `[B]` -> one key per row `[B]` uint32."""
+    return counter_bits(seeds, positions, stream)
+
+
+def categorical(keys: jax.Array, logits: jax.Array) -> jax.Array:
+    """One draw per row from softmax(logits `[B, V]`) (-inf: never) with keys `[B]` ->
+    `[B]` int32: the Gumbel-max of the logits with uniforms hashed from (key, entry)."""
+    V = logits.shape[-1]
+    entry = jnp.arange(V, dtype=jnp.uint32) * jnp.uint32(0x9E3779B9)
+    bits = mix32(keys.astype(jnp.uint32)[:, None] ^ mix32(entry))
+    u = bits_to_uniform(bits) + jnp.float32(2.0 ** -25)  # (0, 1): both logs finite
+    return jnp.argmax(logits - jnp.log(-jnp.log(u)), axis=-1).astype(jnp.int32)
 
 
 def sample(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
@@ -56,14 +76,10 @@ def sample(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: j
 
     def draw():
         filtered = filter_logits(logits, temperature, top_k, top_p, min_p)
-        drawn = jax.vmap(jax.random.categorical)(keys, filtered).astype(jnp.int32)
-        return jnp.where(temperature > 0, drawn, greedy)
+        return jnp.where(temperature > 0, categorical(keys, filtered), greedy)
 
     # All-greedy batches (the common case) skip the sort and the random draws entirely.
     return jax.lax.cond(jnp.any(temperature > 0), draw, lambda: greedy)
-
-
-DRAFT_STREAM = 1  # drafts are drawn with the row's key for their position, folded with this
 
 
 def draft_logits(logits: jax.Array, batch, penalties: PenaltyState | None = None,
@@ -108,9 +124,7 @@ def draft_tokens_and_probs(logits: jax.Array, batch, positions: jax.Array,
     def draw():
         filtered = filter_logits(logits, batch.temperature, batch.top_k, batch.top_p,
                                  batch.min_p)
-        keys = jax.vmap(jax.random.fold_in, (0, None))(
-            sampling_keys(batch.seeds, positions), DRAFT_STREAM)
-        drawn = jax.vmap(jax.random.categorical)(keys, filtered).astype(jnp.int32)
+        drawn = categorical(sampling_keys(batch.seeds, positions, DRAFT_STREAM), filtered)
         return (jnp.where(batch.temperature > 0, drawn, greedy),
                 jax.nn.softmax(filtered, axis=-1))
 

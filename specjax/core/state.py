@@ -112,13 +112,16 @@ class EngineState:
     aux: dict[str, AuxState] | None = None
 
 
-def split_model(target: Llama, draft: nnx.Module | None = None, fused: bool = True
-                ) -> tuple[nnx.GraphDef, Params]:
+def split_model(target: Llama, draft: nnx.Module | None = None, fused: bool = True,
+                scan_layers: bool = True) -> tuple[nnx.GraphDef, Params]:
     """(the target's graph definition, `Params`) for the step functions, in the layout the
-    steps run (`for_inference`: unstacked layers, so a decode step reads each layer's weights
-    in place; q/k/v and gate/up fused). `fused=False` keeps the target's projections apart:
+    steps run (`for_inference`: q/k/v and gate/up fused; layers stacked and scanned, or
+    unrolled with `scan_layers=False`). `fused=False` keeps the target's projections apart:
     what tensor parallelism splits (a fused matrix's columns would not split by heads)."""
-    target = target.for_inference() if fused else target.unstacked()
+    if fused:
+        target = target.for_inference(scan_layers)
+    else:
+        target = target.restacked() if scan_layers else target.unstacked()
     if draft is not None:
         draft = draft.for_inference()
     graphdef, state = nnx.split(target)

@@ -92,6 +92,9 @@ class EngineConfig:
     # "replay" (re-scan the accepted inputs) or "states" (keep every position's); see
     # `specjax.core.recurrent` for what each costs.
     recurrent_commit: str = "replay"
+    # Run the target's layers under `lax.scan` (one layer body per compiled program) or
+    # unrolled (L copies: compiles L times longer; see `specjax.models.llama`).
+    scan_layers: bool = True
 
     def __post_init__(self):
         for name in ("max_batch_size", "tokens_per_block", "prefill_chunk", "max_prefill_rows",
@@ -196,7 +199,8 @@ class Engine:
         # Structured output needs the tokenizer: grammars are compiled against its vocabulary.
         self.grammars = (None if tokenizer is None else
                          Grammars(tokenizer, mc.vocab_size, mc.eos_token_ids))
-        graphdef, params = split_model(model, spec.draft_model, fused=tp is None)
+        graphdef, params = split_model(model, spec.draft_model, fused=tp is None,
+                                       scan_layers=config.scan_layers)
         make_state = lambda: init_state(mc, num_slots=config.max_batch_size,
                                         num_blocks=num_blocks, tokens_per_block=bs,
                                         max_draft_len=spec.verify_len(D), worker=spec.worker,

@@ -190,6 +190,15 @@ class Bamba(Llama):
             {n: p[...] for n, p in layer.items()}).items()}) for layer in self.layers])
         return model
 
+    def restacked(self, fused: bool = False) -> "Bamba":
+        """Bamba's layers differ by kind: they stay one parameter set per layer."""
+        return self.unstacked(fused)
+
+    def for_inference(self, scan_layers: bool = True) -> "Bamba":
+        """Fused q/k/v and gate/up; layers unrolled whatever `scan_layers` says (they differ
+        by kind)."""
+        return self.unstacked(fused=True)
+
     def run_layers(self, x: jax.Array, positions: jax.Array, attend: AttendFn, state: Any,
                    capture_layers: Sequence[int] = (), recurrence: Recurrence | None = None
                    ) -> tuple[jax.Array, jax.Array, Any]:

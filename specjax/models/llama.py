@@ -1,12 +1,12 @@
 """Llama-family decoder in Flax NNX: Llama 3, Mistral, Qwen2 (q/k/v bias), Qwen3 (q/k norm).
 
-Layer parameters come in two layouts. Stacked (the default, used for training and loading):
-one array per parameter with a leading `[L]` axis, run under `lax.scan`, so the compiled
-program holds one layer body whatever the depth. Unstacked (`model.unstacked()`): one array
-per layer, run as an unrolled loop -- in a decode step the scan's per-layer dynamic slice
-copies every weight before using it (`python -m specjax.bench cpu` times the layouts).
-`model.for_inference()`, what the engine runs, is unstacked with q/k/v and gate/up fused
-(`specjax.models.fused`).
+Layer parameters come in two layouts. Stacked (the default): one array per parameter with a
+leading `[L]` axis, run under `lax.scan`, so the compiled program holds one layer body
+whatever the depth -- what keeps compiling a step a matter of seconds. Unstacked
+(`model.unstacked()`): one array per layer, run as an unrolled loop (L copies of the layer in
+every program). `model.for_inference()`, what the engine runs, fuses q/k/v and gate/up
+(`specjax.models.fused`) in either layout: stacked by default, unrolled with
+`scan_layers=False` (`python -m specjax.bench cpu` times the layouts).
 
 The layer body takes an `attend` callback: the dense reference forward here plugs in causal
 attention over the run itself; the paged engine plugs in attention over its KV pool, reusing
@@ -111,18 +111,36 @@ class Llama(nnx.Module):
         return isinstance(self.layers, nnx.Dict)
 
     def layer_params(self) -> dict[str, jax.Array]:
-        """Stacked layer parameters as plain arrays, `{name: [L, ...]}` (either layout)."""
-        if self.stacked:
-            return {name: p[...] for name, p in self.layers.items()}
+        """Stacked layer parameters as plain arrays under their checkpoint names,
+        `{name: [L, ...]}` (any layout)."""
         sizes = projection_sizes(self.config)
+        if self.stacked:
+            return unfuse_projections({name: p[...] for name, p in self.layers.items()}, sizes)
         layers = [unfuse_projections({n: p[...] for n, p in layer.items()}, sizes)
                   for layer in self.layers]
         return {name: jnp.stack([layer[name] for layer in layers]) for name in layers[0]}
 
+    @property
+    def fused(self) -> bool:
+        """Whether q/k/v and gate/up are concatenated (`specjax.models.fused`)."""
+        names = self.layers if self.stacked else self.layers[0]
+        return "gate_up_proj" in names
+
+    def restacked(self, fused: bool = False) -> "Llama":
+        """The same model in the stacked layout, q/k/v and gate/up concatenated if `fused`."""
+        if self.stacked and fused == self.fused:
+            return self
+        model = nnx.merge(*nnx.split(self))
+        stacked = self.layer_params()
+        if fused:
+            stacked = fuse_projections(stacked)
+        model.layers = nnx.Dict({name: nnx.Param(array) for name, array in stacked.items()})
+        return model
+
     def unstacked(self, fused: bool = False) -> "Llama":
         """The same model with one parameter set per layer (sharing every array unless
         `fused`: then each layer's q/k/v and gate/up are concatenated into one weight)."""
-        if not self.stacked and fused == ("qkv_proj" in self.layers[0]):
+        if not self.stacked and fused == self.fused:
             return self
         model = nnx.merge(*nnx.split(self))
         stacked = self.layer_params()
@@ -135,9 +153,10 @@ class Llama(nnx.Module):
                                  for layer in layers])
         return model
 
-    def for_inference(self) -> "Llama":
-        """The layout the engine's steps run: unstacked, q/k/v and gate/up fused."""
-        return self.unstacked(fused=True)
+    def for_inference(self, scan_layers: bool = True) -> "Llama":
+        """The layout the engine's steps run: q/k/v and gate/up fused, layers stacked (run
+        under `lax.scan`) or, with `scan_layers=False`, unrolled."""
+        return self.restacked(fused=True) if scan_layers else self.unstacked(fused=True)
 
     def embed_tokens(self, tokens: jax.Array) -> jax.Array:
         """tokens `[B, T]` -> `[B, T, D]`."""
@@ -181,7 +200,7 @@ class Llama(nnx.Module):
             captured = jnp.where(hit, x[None], captured)
             return (x, captured, state), None
 
-        xs = (self.layer_params(), jnp.arange(cfg.num_layers))
+        xs = ({name: p[...] for name, p in self.layers.items()}, jnp.arange(cfg.num_layers))
         (x, captured, state), _ = jax.lax.scan(body, (x, captured0, state), xs)
         return x, captured, state
 

@@ -1,14 +1,14 @@
-"""Attention reads through the narrowest block table that holds the batch's context, and the
-output stays exact when a batch's contexts cross from one width to the next."""
+"""Attention reads the pool a chunk of blocks at a time, as far as the batch's context goes,
+and the output stays exact when a batch's contexts span one chunk or many."""
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from flax import nnx
 
 import specjax
+from pallas_kernels.paged_attention import paged_attention_chunks, paged_attention_reference
 from specjax import DraftTargetConfig, NGramConfig, SamplingParams
-from specjax.core.forward import (MAX_TABLE_WIDTHS, MIN_TABLE_TOKENS, table_widths,
-                                  with_narrowest_table)
 from specjax.engine.compile_counter import count_compilations
 from specjax.models import Llama
 from specjax.models.dense_greedy import dense_greedy
@@ -17,33 +17,34 @@ from specjax.speculative.config import EagleConfig
 from tests.conftest import TINY
 
 
-@pytest.mark.parametrize("max_blocks,tokens_per_block",
-                         [(128, 16), (129, 16), (65, 16), (33, 4), (17, 4), (9, 16), (1, 16),
-                          (300, 1)])
-def test_widths_cover_the_table_a_factor_of_two_apart(max_blocks, tokens_per_block):
-    widths = table_widths(max_blocks, tokens_per_block)
-    assert widths[-1] == max_blocks and list(widths) == sorted(set(widths))
-    assert len(widths) <= MAX_TABLE_WIDTHS
-    assert all(b >= 2 * a for a, b in zip(widths, widths[1:]))
-    assert all(w * tokens_per_block >= MIN_TABLE_TOKENS for w in widths[:-1])
-
-
-def test_the_narrowest_covering_width_is_read():
-    bs, tables = 16, jnp.zeros((3, 128), jnp.int32)
-    widths = table_widths(128, bs)
-    assert len(widths) > 2
-    pick = jax.jit(lambda lens: with_narrowest_table(lambda t: jnp.int32(t.shape[1]), tables,
-                                                     lens, bs))
-    for lens in ([0, 0, 0], [1, 0, 0], [0, 0, widths[0] * bs], [widths[0] * bs + 1, 2, 0],
-                 [5, widths[1] * bs, 7], [widths[1] * bs + 1, 0, 0], [2048, 0, 0],
-                 [1000, 5, 0]):
-        want = min(w for w in widths if w * bs >= max(lens))
-        assert int(pick(jnp.asarray(lens, jnp.int32))) == want, lens
+@pytest.mark.parametrize("tree", [False, True])
+@pytest.mark.parametrize("window", [2**30, 7])
+def test_chunked_reads_equal_the_whole_table(tree, window):
+    """Chunks of 3 blocks of 4 tokens over a 10-block table (the last chunk padded): every
+    mix of context lengths -- none, inside the first chunk, at a chunk's edge, across the
+    padding -- gives the whole-table oracle's attention, trees and windows included."""
+    B, T, H, KV, hd, bs, M, N = 3, 4, 4, 2, 8, 4, 10, 40
+    keys = jax.random.split(jax.random.key(0), 4)
+    q = jax.random.normal(keys[0], (B, T, H, hd))
+    k_pool = jax.random.normal(keys[1], (2, N, bs, KV, hd))
+    v_pool = jax.random.normal(keys[2], (2, N, bs, KV, hd))
+    tables = 1 + jax.random.permutation(keys[3], N - 1)[:B * M].reshape(B, M)
+    tree_mask = jnp.asarray([[1, 3, 5, 9]] * B, jnp.int32) if tree else None
+    read = jax.jit(lambda lens, pos: paged_attention_chunks(
+        q, k_pool, v_pool, 1, tables, pos, lens, window, tree_mask, chunk_blocks=3)[0])
+    for lens in ([0, 0, 0], [4, 0, 1], [12, 13, 0], [36, 40, 3], [25, 12, 11]):
+        lens = jnp.asarray(lens, jnp.int32)
+        start = jnp.maximum(lens - T, 0)
+        pos = start[:, None] + (jnp.asarray([0, 1, 1, 2]) if tree else jnp.arange(T))
+        want = paged_attention_reference(q, k_pool, v_pool, 1, tables, pos, lens, window,
+                                         tree_mask)
+        np.testing.assert_allclose(np.asarray(read(lens, pos)), np.asarray(want), atol=2e-6,
+                                   err_msg=str(lens))
 
 
 LONG = TINY.replace(max_position_embeddings=1024, num_layers=8)  # EAGLE-3 needs > 5
-# Prompts whose contexts, with MAX_TOKENS more, end in different widths (8, 16, 32, 65 blocks
-# of 16 tokens): a batch's width is set by its longest row, the short rows ride along.
+# Prompts whose contexts, with MAX_TOKENS more, span 1, 2, 3 and 6 chunks of 128 tokens: a
+# batch's chunk count is set by its longest row, the short rows ride along.
 LENGTHS = (5, 140, 300, 700)
 MAX_TOKENS = 20
 

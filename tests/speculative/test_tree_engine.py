@@ -211,7 +211,7 @@ def test_tree_equals_the_head_run_densely(perm_target):
 
 def dense_kv(model, tokens):
     """Each layer's K and V `[len, KV, hd]` for `tokens`, from a dense causal forward."""
-    model = model.for_inference()
+    model = model.for_inference(scan_layers=False)  # the list of K/V grows layer by layer
     pos = jnp.arange(len(tokens))[None]
     record = lambda q, k, v, layer, kvs: (dense_attention(q, k, v, pos, pos), kvs + [(k, v)])
     _, _, kvs = model.run_layers(model.embed_tokens(jnp.asarray([tokens])), pos, record, [])

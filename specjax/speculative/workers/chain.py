@@ -22,14 +22,14 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from pallas_kernels.paged_attention.reference import dense_attention, merge_attention
 from specjax.core.batch import StepBatch
-from specjax.core.forward import PagedAttention, gather_context, take_rows, with_narrowest_table
+from specjax.core.forward import PagedAttention, context_attention, take_rows
 from specjax.core.kv import KVPool, make_kv_pool
 from specjax.core.sampling import adjusts_logits, draft_tokens_and_probs
 from specjax.core.tree import TreeShape
 from specjax.models.config import ModelConfig
 from specjax.models.eagle3_head import Eagle3HeadConfig
-from specjax.models.llama import dense_attention
 from specjax.models.mtp_head import target_lm_head
 from specjax.speculative.workers.common import head_pass, shift_in
 from specjax.speculative.workers.tree import grow_tree
@@ -117,38 +117,36 @@ class ChainWorker:
         if num_drafts == 0:
             return kv, jnp.zeros((B, 0), jnp.int32), None
         last = jnp.maximum(lens - 1, 0)
-        context_lens = batch.start_pos + lens
+        context_lens = jnp.where(lens > 0, batch.start_pos + lens, 0)
+        newest = batch.start_pos + last  # the newest token's position
 
-        # The row of the last accepted token and every drafted row attend to the same pool
-        # context: gather it once (through the narrowest block table that holds it), and keep
-        # the drafted rows' K/V local -- the next step's catch-up rewrites those positions
-        # before anything reads them.
-        def from_context(tables):
-            context = gather_context(kv, 0, tables, context_lens)
-            keys, values, key_pos, key_valid = context
-            pos = (batch.start_pos + last)[:, None]
-            out = dense_attention(take_rows(q, last)[:, None], keys, values, pos, key_pos,
-                                  k_valid=key_valid)
-            h = layer.finish(out, take_rows(residual, last)[:, None])[:, 0]   # [B, H]
-            if self.tree is None:
-                return self._chain(head, layer, target, batch, context, h, context_lens, lens,
-                                   num_drafts, penalties)
-            return self._tree(head, layer, target, context, h, take_rows(new_tokens, last),
-                              context_lens, num_drafts)
+        # The row of the last accepted token and every drafted row attend to the pool's
+        # context (read as narrow as it allows); the drafted rows' K/V stay local -- the next
+        # step's catch-up rewrites those positions before anything reads them.
+        def attend(q_rows, positions):
+            return context_attention(q_rows, kv, 0, batch.block_tables, positions,
+                                     context_lens)
 
-        drafts, extra = with_narrowest_table(from_context, batch.block_tables,
-                                             jnp.where(lens > 0, context_lens, 0),
-                                             kv.tokens_per_block)
+        out, _ = attend(take_rows(q, last)[:, None], newest[:, None])
+        h = layer.finish(out.astype(q.dtype), take_rows(residual, last)[:, None])[:, 0]
+        if self.tree is None:
+            drafts, extra = self._chain(head, layer, target, batch, attend, h, newest, lens,
+                                        num_drafts, penalties)
+        else:
+            drafts, extra = self._tree(head, layer, target, attend, h,
+                                       take_rows(new_tokens, last), newest, num_drafts)
         return kv, drafts, extra
 
-    def _chain(self, head, layer, target, batch, context, h, newest, lens, num_drafts,
+    def _chain(self, head, layer, target, batch, attend, h, newest, lens, num_drafts,
                penalties):
-        """D drafts one after another: draft k is one more row, fed draft k - 1 and the
-        previous row's hidden_out. -> (drafts `[B, D]`, distributions `[B, D, V]` or None)."""
-        keys, values, key_pos, key_valid = context
+        """D drafts one after another (under `lax.scan`: one draft body per program): draft k
+        is one more row, fed draft k - 1 and the previous row's hidden_out, attending to the
+        context (`attend`) and the drafted rows before it. -> (drafts `[B, D]`, distributions
+        `[B, D, V]` or None)."""
         live = (lens > 0)[:, None]
 
-        def propose(hidden_out, k, before):  # draft k (0-based) lands at newest + 1 + k
+        def propose(hidden_out, k, before):  # draft k (0-based) lands at newest + 1 + k,
+            # drawn with the key of the position after it; `before`: the drafts so far
             logits = lambda: self._logits(head, target, hidden_out)
             if not self.rejection_sampling:
                 # Target-vocabulary logits only for batches that bias or penalise them.
@@ -158,31 +156,45 @@ class ChainWorker:
                 return jax.lax.cond(
                     adjusted,
                     lambda: draft_tokens_and_probs(logits(), batch, None, False, penalties,
-                                                   before)[0],
+                                                   before, num_before=k)[0],
                     lambda: self._argmax(head, target, hidden_out)), None
-            return draft_tokens_and_probs(logits(), batch, newest + 1 + k, True, penalties,
-                                          before)
+            return draft_tokens_and_probs(logits(), batch, newest + 2 + k, True, penalties,
+                                          before, num_before=k)
 
-        h = h[:, None]
-        first, first_probs = propose(h[:, 0], 0, None)
-        # Unrolled (D is static): on XLA:CPU a scan's loop overhead costs more than these few
-        # single-row passes.
-        drafts, probs, token = [first], [first_probs], first
-        for k in range(1, num_drafts):
-            pos = (newest + k - 1)[:, None]
+        B = h.shape[0]
+        before = jnp.zeros((B, num_drafts), jnp.int32)
+        first, first_probs = propose(h, 0, before)
+        before = before.at[:, 0].set(first)
+        if num_drafts == 1:
+            return before, None if first_probs is None else first_probs[:, None]
+        R = num_drafts - 1  # drafted rows, kept local: draft k's row reads draft k - 1
+        local_k = jnp.zeros((B, R, *self._kv_shape()), h.dtype)
+        local_v = jnp.zeros_like(local_k)
+        local_pos = newest[:, None] + 1 + jnp.arange(R)
+
+        def one(carry, k):  # draft k, k = 1 .. D - 1
+            h, token, local_k, local_v, before = carry
+            pos = (newest + k)[:, None]
             q_row, k_row, v_row, res_row = layer.qkv_and_residual(
-                target.embed_tokens(token[:, None]), h, pos)
-            keys = jnp.concatenate([keys, k_row.astype(keys.dtype)], axis=1)
-            values = jnp.concatenate([values, v_row.astype(values.dtype)], axis=1)
-            key_pos = jnp.concatenate([key_pos, pos], axis=1)
-            key_valid = jnp.concatenate([key_valid, live], axis=1)
-            out = dense_attention(q_row, keys, values, pos, key_pos, k_valid=key_valid)
-            h = layer.finish(out.astype(q_row.dtype), res_row)
-            token, p = propose(h[:, 0], k, jnp.stack(drafts, axis=1))
-            drafts.append(token)
-            probs.append(p)
-        return jnp.stack(drafts, axis=1), (None if first_probs is None
-                                           else jnp.stack(probs, axis=1))
+                target.embed_tokens(token[:, None]), h[:, None], pos)
+            local_k = jax.lax.dynamic_update_slice_in_dim(local_k, k_row.astype(h.dtype),
+                                                          k - 1, axis=1)
+            local_v = jax.lax.dynamic_update_slice_in_dim(local_v, v_row.astype(h.dtype),
+                                                          k - 1, axis=1)
+            valid = live & (jnp.arange(R)[None, :] < k)
+            out, _ = merge_attention(attend(q_row, pos),
+                                     dense_attention(q_row, local_k, local_v, pos, local_pos,
+                                                     k_valid=valid, with_lse=True))
+            h = layer.finish(out.astype(q_row.dtype), res_row)[:, 0]
+            token, p = propose(h, k, before)
+            before = before.at[:, k].set(token)
+            return (h, token, local_k, local_v, before), p
+
+        (_, _, _, _, drafts), probs = jax.lax.scan(
+            one, (h, first, local_k, local_v, before), jnp.arange(1, num_drafts))
+        if first_probs is None:
+            return drafts, None
+        return drafts, jnp.concatenate([first_probs[:, None], probs.transpose(1, 0, 2)], axis=1)
 
     def _node_log_probs(self, head, target, hidden_out: jax.Array, tokens: jax.Array
                         ) -> jax.Array:
@@ -191,20 +203,20 @@ class ChainWorker:
         del tokens  # the head's hidden_out already read it
         return jax.nn.log_softmax(self._draft_logits(head, target, hidden_out))
 
-    def _tree(self, head, layer, target, context, h, newest_token, newest, depth):
+    def _tree(self, head, layer, target, attend, h, newest_token, newest, depth):
         """A dynamic tree of `depth` levels (`grow_tree`): each expanded node is one row, fed
-        its token and the hidden_out its distribution came from, attending to the context,
-        its ancestors' rows and itself. -> (node tokens `[B, T]`, parents `[B, T]`)."""
-        keys, values, key_pos, key_valid = context
+        its token and the hidden_out its distribution came from, attending to the context
+        (`attend`), its ancestors' rows and itself. -> (node tokens `[B, T]`, parents
+        `[B, T]`)."""
         K = self.tree.top_k
-        B, S = key_valid.shape
+        B = h.shape[0]
         R = K * max(depth - 1, 0)   # expanded rows: K per level but the last
         log_probs = lambda hidden, tokens: self._node_log_probs(head, target, hidden, tokens)
 
         def expand(level, tokens, node, local):
             hidden_in, ancestors = node                    # [B, K, H], [B, K, R] bool
             local_k, local_v = local                       # [B, R, KV, hd]
-            pos = jnp.broadcast_to((newest + level - 1)[:, None], (B, K))
+            pos = jnp.broadcast_to((newest + level)[:, None], (B, K))
             q_rows, k_rows, v_rows, res = layer.qkv_and_residual(
                 target.embed_tokens(tokens), hidden_in, pos)
             first = (level - 1) * K
@@ -212,19 +224,16 @@ class ChainWorker:
             local_v = local_v.at[:, first:first + K].set(v_rows.astype(local_v.dtype))
             own = jnp.arange(R)[None, :] == first + jnp.arange(K)[:, None]   # [K, R]
             sees = ancestors | own[None]
-            mask = jnp.concatenate([jnp.broadcast_to(key_valid[:, None], (B, K, S)), sees],
-                                   axis=2)
-            out = dense_attention(q_rows, jnp.concatenate([keys, local_k], axis=1),
-                                  jnp.concatenate([values, local_v], axis=1), pos,
-                                  jnp.concatenate([key_pos, jnp.zeros((B, R), key_pos.dtype)],
-                                                  axis=1), mask=mask)
+            out, _ = merge_attention(
+                attend(q_rows, pos),
+                dense_attention(q_rows, local_k, local_v, pos, jnp.zeros((B, R), pos.dtype),
+                                mask=sees, with_lse=True))
             h_out = layer.finish(out.astype(q_rows.dtype), res)
             return log_probs(h_out, tokens), (h_out, sees), (local_k, local_v)
 
-        kv_shape = keys.shape[2:]
+        kv_shape = self._kv_shape()
         node = (jnp.broadcast_to(h[:, None], (B, K, h.shape[-1])), jnp.zeros((B, K, R), bool))
-        local = (jnp.zeros((B, R, *kv_shape), keys.dtype), jnp.zeros((B, R, *kv_shape),
-                                                                     values.dtype))
+        local = (jnp.zeros((B, R, *kv_shape), h.dtype), jnp.zeros((B, R, *kv_shape), h.dtype))
         return grow_tree(log_probs(h, newest_token), expand, node, local, K, depth,
                          self.tree.nodes_for(depth), lambda ids: self._to_target(head, ids))
 

@@ -9,10 +9,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.paged_attention.reference import dense_attention, merge_attention
 from specjax.core.batch import StepBatch
-from specjax.core.forward import PagedAttention, gather_context
+from specjax.core.forward import PagedAttention, context_attention
 from specjax.core.kv import KVPool
-from specjax.models.llama import dense_attention
 
 
 def shift_in(tokens: jax.Array, query_lens: jax.Array, following: jax.Array) -> jax.Array:
@@ -39,24 +39,20 @@ def head_pass(layer, kv: KVPool, pool_layer: int, run: StepBatch, target, hidden
 def attend_over_context(kv: KVPool, tables: jax.Array, context_lens: jax.Array,
                         positions: jax.Array, live: jax.Array, bidirectional: bool = False):
     """An `AttendFn` for rows whose K/V stay local (not written to the pool): each query row
-    sees pool layer `layer`'s context (positions < `context_lens` `[B]`, through `tables`) and
-    the live rows (`live` `[B, W]`) of its own pass -- causally on `positions` `[B, W]`, or
-    all of them when `bidirectional`."""
+    sees pool layer `layer`'s context (positions < `context_lens` `[B]`, through `tables`, as
+    narrow as the context allows) and the live rows (`live` `[B, W]`) of its own pass --
+    causally on `positions` `[B, W]`, or all of them when `bidirectional`."""
     B, W = positions.shape
     if bidirectional:
         local = jnp.broadcast_to(live[:, None, :], (B, W, W))
     else:
         local = (positions[:, None, :] <= positions[:, :, None]) & live[:, None, :]
+    context_lens = jnp.where(live[:, 0], context_lens, 0)
 
     def attend(q, k, v, layer, state):
-        keys, values, key_pos, key_valid = gather_context(kv, layer, tables, context_lens)
-        S = keys.shape[1]
-        mask = jnp.concatenate([jnp.broadcast_to(key_valid[:, None, :], (B, W, S)), local],
-                               axis=2)
-        out = dense_attention(q, jnp.concatenate([keys, k.astype(keys.dtype)], axis=1),
-                              jnp.concatenate([values, v.astype(values.dtype)], axis=1),
-                              positions, jnp.concatenate([key_pos, positions], axis=1),
-                              mask=mask)
+        out, _ = merge_attention(
+            context_attention(q, kv, layer, tables, positions, context_lens),
+            dense_attention(q, k, v, positions, positions, mask=local, with_lse=True))
         return out.astype(q.dtype), state
 
     return attend

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from specjax.core.batch import StepBatch
-from specjax.core.forward import PagedAttention, paged_forward, with_narrowest_table
+from specjax.core.forward import PagedAttention, paged_forward
 from specjax.core.kv import KVPool, make_kv_pool
 from specjax.core.sampling import adjusts_logits, draft_tokens_and_probs
 from specjax.models.config import ModelConfig
@@ -39,14 +39,16 @@ def propose_block(logits: jax.Array, batch: StepBatch, first: jax.Array, rejecti
     under rejection sampling, else None); draft k lands at position first + k (`first` `[B]`),
     whose key it is drawn with. Biased or penalised rows adjust draft k's logits as
     verification will, counting drafts 0 .. k-1."""
-    def one_by_one(with_probs: bool):
-        drafts, probs = [], []
-        for k in range(logits.shape[1]):
+    B, K = logits.shape[:2]
+
+    def one_by_one(with_probs: bool):  # under `lax.scan`: one draw in the program
+        def one(before, k):
             d, p = draft_tokens_and_probs(logits[:, k], batch, first + k, with_probs, penalties,
-                                          jnp.stack(drafts, axis=1) if drafts else None)
-            drafts.append(d)
-            probs.append(p)
-        return jnp.stack(drafts, axis=1), (jnp.stack(probs, axis=1) if with_probs else None)
+                                          before, num_before=k)
+            return before.at[:, k].set(d), p
+
+        drafts, probs = jax.lax.scan(one, jnp.zeros((B, K), jnp.int32), jnp.arange(K))
+        return drafts, (probs.transpose(1, 0, 2) if with_probs else None)
 
     if rejection:
         return one_by_one(True)
@@ -60,13 +62,10 @@ def propose_block(logits: jax.Array, batch: StepBatch, first: jax.Array, rejecti
 def _local_pass(batch: StepBatch, kv: KVPool, context_lens: jax.Array, positions: jax.Array,
                 live: jax.Array, run, bidirectional: bool):
     """`run(attend)` with rows kept local: they see the pool's context (positions <
-    `context_lens` `[B]`) through the narrowest block table that holds it, and each other
-    (causally on `positions` `[B, W]`, or all of them). -> what `run` returns."""
-    def through(tables):
-        return run(attend_over_context(kv, tables, context_lens, positions, live,
-                                       bidirectional))
-    return with_narrowest_table(through, batch.block_tables, jnp.where(live[:, 0], context_lens, 0),
-                                kv.tokens_per_block)
+    `context_lens` `[B]`) and each other (causally on `positions` `[B, W]`, or all of them).
+    -> what `run` returns."""
+    return run(attend_over_context(kv, batch.block_tables, context_lens, positions, live,
+                                   bidirectional))
 
 
 @dataclasses.dataclass(frozen=True)
