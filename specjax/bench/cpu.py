@@ -3,8 +3,9 @@
 Each XLA flag set runs in its own child process (XLA reads XLA_FLAGS once, when the backend
 starts) on the same random 27.8M Llama checkpoint, timing the target's compiled generation
 step for 1 and 5 query tokens at batch 1 and 8 (best of 3 rounds of 20 calls). The first
-child also times the layer layouts the engine could run: one `lax.scan` over stacked layers,
-unrolled layers, and unrolled layers with q/k/v and gate/up fused (what the engine runs).
+child also times the layer layouts the engine could run: `lax.scan` over stacked layers and
+unrolled layers, each with and without q/k/v and gate/up fused (the engine runs scan+fused;
+`EngineConfig.scan_layers=False` unrolls).
 The flags specjax sets by default are in `specjax/xla_flags.py`; this bench is how they were
 chosen.
 """
@@ -55,8 +56,9 @@ def _child(folder: str, position: int, layouts: bool) -> dict:
     variants = {"engine": (ex.graphdef, ex.params)}
     if layouts:
         model = llm.model
-        for name, m in (("scan", model), ("unrolled", model.unstacked()),
-                        ("unrolled+fused", model.for_inference())):
+        for name, m in (("scan", model), ("scan+fused", model.for_inference()),
+                        ("unrolled", model.unstacked()),
+                        ("unrolled+fused", model.for_inference(scan_layers=False))):
             graphdef, state = nnx.split(m)
             variants[name] = (graphdef, Params(target=nnx.to_pure_dict(state)))
     result = {}

@@ -16,7 +16,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.rejection_sampling import bits_to_uniform, counter_bits, mix32
+from pallas_kernels.rejection_sampling import counter_bits, mix32
 from specjax.core.logits import apply_bias
 from specjax.core.penalties import PenaltyState, penalize_draft
 
@@ -64,8 +64,15 @@ def categorical(keys: jax.Array, logits: jax.Array) -> jax.Array:
     V = logits.shape[-1]
     entry = jnp.arange(V, dtype=jnp.uint32) * jnp.uint32(0x9E3779B9)
     bits = mix32(keys.astype(jnp.uint32)[:, None] ^ mix32(entry))
-    u = bits_to_uniform(bits) + jnp.float32(2.0 ** -25)  # (0, 1): both logs finite
-    return jnp.argmax(logits - jnp.log(-jnp.log(u)), axis=-1).astype(jnp.int32)
+    return jnp.argmax(logits + gumbel_noise(bits), axis=-1).astype(jnp.int32)
+
+
+def gumbel_noise(bits: jax.Array) -> jax.Array:
+    """uint32 bits -> standard Gumbel noise, finite for every input: the uniform takes 23 bits
+    and a half step, strictly inside (0, 1) in float32 (2^-24 .. 1 - 2^-24). A uniform of 1
+    would make the noise +inf, and a forbidden (-inf) entry NaN, which argmax picks."""
+    u = ((bits >> 9).astype(jnp.float32) + 0.5) * jnp.float32(2.0 ** -23)
+    return -jnp.log(-jnp.log(u))
 
 
 def sample(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,

@@ -10,6 +10,7 @@ import specjax
 from pallas_kernels.paged_attention import paged_attention_chunks, paged_attention_reference
 from specjax import DraftTargetConfig, NGramConfig, SamplingParams
 from specjax.engine.compile_counter import count_compilations
+from specjax.core import empty_batch
 from specjax.models import Llama
 from specjax.models.dense_greedy import dense_greedy
 from specjax.models.eagle3_head import Eagle3Head, Eagle3HeadConfig
@@ -89,3 +90,21 @@ def test_contexts_across_widths_are_exact(mode, long_model, prompts_and_refs):
     assert allocator.num_free_blocks == allocator.total_blocks
     if mode == "draft_target_self":  # reading the drafter's pool wrongly would reject drafts
         assert llm.stats.acceptance_rate == 1.0
+
+
+def test_the_step_holds_one_layer_and_one_attention_body():
+    """Scanned layers and chunked table reads: the generation step's program does not grow
+    with the model's depth or its maximum length (unrolled layers, or a branch per table
+    width, would)."""
+    def program(layers: int, max_len: int) -> int:
+        model = Llama(TINY.replace(num_layers=layers, max_position_embeddings=max_len),
+                      rngs=nnx.Rngs(0))
+        llm = specjax.LLM(model, max_batch_size=2, tokens_per_block=4, progress=False)
+        ex = llm.engine.executor
+        batch = empty_batch(2, 3, ex.blocks_per_seq, ex.spare_slot)
+        return len(ex.steps["generation"].lower(ex.params, ex.state, batch).as_text()
+                   .splitlines())
+
+    base = program(2, 256)
+    assert program(6, 256) == base
+    assert program(2, 2048) == base

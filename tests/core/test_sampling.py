@@ -4,7 +4,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specjax.core.sampling import DRAFT_STREAM, filter_logits, sample, sampling_keys
+from specjax.core.sampling import (DRAFT_STREAM, categorical, filter_logits, gumbel_noise, sample,
+                                   sampling_keys)
 
 LOGITS = jnp.log(jnp.asarray([[0.4, 0.3, 0.15, 0.1, 0.05]]))
 
@@ -80,3 +81,18 @@ def test_keys_depend_on_seed_and_position_only():
     # Target and draft draws at one position come from different streams.
     assert int(sampling_keys(jnp.asarray([5], jnp.uint32), jnp.asarray([10]), DRAFT_STREAM)[0]) \
         != int(b[0])
+
+
+def test_gumbel_noise_is_finite_at_the_extreme_bits():
+    # All-ones bits once rounded the uniform to 1.0: noise +inf, a forbidden entry NaN, and
+    # argmax picked the forbidden entry (a grammar-masked token was emitted).
+    noise = np.asarray(gumbel_noise(jnp.asarray([0, 2**9, 2**31, 2**32 - 1], jnp.uint32)))
+    assert np.all(np.isfinite(noise)) and noise[0] < noise[1] < noise[2] < noise[3]
+
+
+def test_draws_never_pick_a_forbidden_entry():
+    logits = jnp.where(jnp.arange(64) % 3 == 0, 0.0, -jnp.inf)
+    keys = sampling_keys(jnp.arange(4096, dtype=jnp.uint32), jnp.arange(4096))
+    draws = np.asarray(categorical(keys, jnp.broadcast_to(logits, (4096, 64))))
+    assert np.all(draws % 3 == 0)
+    assert len(set(draws.tolist())) == 22  # every allowed entry is drawn

@@ -51,13 +51,15 @@ def check_modes(results: dict, modes: list[str], sizes: list[int]) -> None:
 
 
 def check_placement(results: dict, sizes: list[int]) -> None:
-    split = {"q_proj": "(None, 'tp')", "k_proj": "(None, 'tp')", "v_proj": "(None, 'tp')",
-             "gate_proj": "(None, 'tp')", "up_proj": "(None, 'tp')",
-             "o_proj": "('tp', None)", "down_proj": "('tp', None)"}
+    # Layers are stacked `[L, ...]`: the split axis counts from the end.
+    split = {"q_proj": "(None, None, 'tp')", "k_proj": "(None, None, 'tp')",
+             "v_proj": "(None, None, 'tp')", "gate_proj": "(None, None, 'tp')",
+             "up_proj": "(None, None, 'tp')", "o_proj": "(None, 'tp', None)",
+             "down_proj": "(None, 'tp', None)"}
     for size in sizes:
         placement = results["plain"][str(size)]["placement"]
-        expected = {**{f"layers.0.{k}": v for k, v in split.items()},
-                    "layers.0.input_norm": "()", "layers.0.post_norm": "()",
+        expected = {**{f"layers.{k}": v for k, v in split.items()},
+                    "layers.input_norm": "()", "layers.post_norm": "()",
                     "final_norm": "()", "embed": "('tp', None)", "lm_head": "(None, 'tp')",
                     "kv_pool.k": "(None, None, None, 'tp')"}
         assert {k: v["spec"] for k, v in placement.items()} == expected

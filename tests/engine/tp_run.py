@@ -61,11 +61,11 @@ def speculation(mode, target, perm):
 
 
 def placement(llm) -> dict:
-    """Each target weight (first layer, embedding, head) and the pool: spec, bytes on one
-    device, total bytes."""
+    """Each target weight (the stacked layers `[L, ...]`, embedding, head) and the pool: spec,
+    bytes on one device, total bytes."""
     executor = llm.engine.executor
     target = executor.params.target
-    named = {**{f"layers.0.{k}": v for k, v in target["layers"][0].items()},
+    named = {**{f"layers.{k}": v for k, v in target["layers"].items()},
              **{k: v for k, v in target.items() if k != "layers"},
              "kv_pool.k": executor.state.target.k}
     return {name: dict(spec=str(tuple(a.sharding.spec)),

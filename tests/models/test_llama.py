@@ -106,3 +106,17 @@ def test_unstacked_layout_computes_the_same(model):
     np.testing.assert_allclose(np.asarray(a_captured), np.asarray(b_captured), atol=1e-5)
     for name, stacked in model.layer_params().items():  # same arrays, other layout
         np.testing.assert_array_equal(np.asarray(flat.layer_params()[name]), np.asarray(stacked))
+
+
+def test_inference_layouts_compute_the_same(model):
+    """Fused q/k/v and gate/up, scanned (the engine's default) or unrolled: the same logits,
+    captured streams and checkpoint-named parameters as the model they came from."""
+    tokens = jnp.asarray([[3, 1, 4, 1, 5, 9, 2, 6]], jnp.int32)
+    want_logits, want_captured = model.forward(tokens, capture_layers=(0, 2))
+    for scan in (True, False):
+        m = model.for_inference(scan_layers=scan)
+        assert m.fused and m.stacked == scan and m.for_inference(scan_layers=scan) is m
+        logits, captured = m.forward(tokens, capture_layers=(0, 2))
+        np.testing.assert_allclose(np.asarray(logits), np.asarray(want_logits), atol=1e-5)
+        np.testing.assert_allclose(np.asarray(captured), np.asarray(want_captured), atol=1e-5)
+        assert sorted(m.layer_params()) == sorted(model.layer_params())
