@@ -34,9 +34,9 @@ from specjax.core.state import (EngineState, Params, SlotState, init_state, make
 from specjax.core.steps import make_generation_step, make_prefill_step, runs_on_device
 from specjax.core.suffix import SuffixSpec, SuffixState
 from specjax.core.tree import TreeShape, relocate_path, tree_accept, tree_layout
-from specjax.core.worker import DraftWorker
+from specjax.core.worker import Drafts, DraftWorker, WorkerDefaults
 
-__all__ = ["DraftWorker", "EngineState", "GenerationOutput", "KVPool", "NULL_BLOCK",
+__all__ = ["Drafts", "DraftWorker", "WorkerDefaults", "EngineState", "GenerationOutput", "KVPool", "NULL_BLOCK",
            "PagedAttention", "Params", "PrefillOutput", "SlotState", "StepBatch", "empty_batch",
            "filter_logits", "init_state", "make_generation_step", "make_kv_pool",
            "make_prefill_step", "make_slot_state", "paged_forward", "rejection_accept",

@@ -56,6 +56,38 @@ class StepBatch:
     def shape(self) -> tuple[int, int]:
         return self.tokens.shape
 
+    def check(self) -> "StepBatch":
+        """Raise ValueError naming the first field whose shape or dtype disagrees with
+        `tokens` `[B, T]` (the comments above). Shapes are static: a step calls this while
+        it is traced, so it costs nothing when it runs."""
+        B, T = self.tokens.shape
+        M = self.block_tables.shape[1] if self.block_tables.ndim == 2 else -1
+        want = {"tokens": ((B, T), "i"), "block_tables": ((B, M), "i"),
+                "bias_ids": ((B, MAX_LOGIT_BIAS), "i"), "bias_values": ((B, MAX_LOGIT_BIAS), "f"),
+                "token_mask": None}
+        for f in ("start_pos", "query_lens", "top_k", "slots", "max_lens", "next_tokens"):
+            want[f] = ((B,), "i")
+        for f in ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty",
+                  "presence_penalty"):
+            want[f] = ((B,), "f")
+        want.update(seeds=((B,), "u"), logprobs=((B,), "b"), prompt_logprobs=((B,), "b"),
+                    host_runs=((B,), "b"))
+        for name, spec in want.items():
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if spec is None:  # token_mask: [B, R, W] int32
+                ok = value.ndim == 3 and value.shape[0] == B and value.dtype.kind == "i"
+                expected = f"[{B}, R, W] int32"
+            else:
+                shape, kind = spec
+                ok = tuple(value.shape) == shape and value.dtype.kind == kind
+                expected = f"{list(shape)} of kind {kind!r}"
+            if not ok:
+                raise ValueError(f"StepBatch.{name} has shape {list(value.shape)} "
+                                 f"{value.dtype}; expected {expected} (tokens are {[B, T]})")
+        return self
+
 
 @struct.dataclass
 class PrefillOutput:

@@ -38,7 +38,7 @@ from specjax.core.sharding import TensorParallel
 from specjax.core.state import EngineState, Params, SlotState, write_slots
 from specjax.core.suffix import SuffixSpec, SuffixState, prefer, propose, record, retire
 from specjax.core.tree import relocate_path, tree_accept, tree_layout
-from specjax.core.worker import DraftWorker, tree_of
+from specjax.core.worker import Drafts, DraftWorker, tree_of
 
 
 def _jit(step, tp: TensorParallel | None):
@@ -95,6 +95,17 @@ def clip_to_mask(batch: StepBatch) -> StepBatch:
     return batch.replace(query_lens=jnp.where(batch.query_lens > 0, 1 + drafts, 0))
 
 
+def target_logits(raw: jax.Array, penalties, batch: StepBatch,
+                  context: jax.Array | None = None) -> jax.Array:
+    """The target's raw logits `[B, W, V]` as every step decides from them, in one order:
+    the rows' logit bias, then penalties (the slots' counts plus, with `context` `[W, R]` or
+    `[B, W, R]`, the run's tokens before each position: `chain_context`, `tree_context`), then
+    the grammar's masks. Sampling filters come after, where tokens are drawn."""
+    biased = apply_bias(raw, batch.bias_ids, batch.bias_values)
+    run = None if context is None else batch.tokens
+    return apply_token_mask(penalize(biased, penalties, batch, run, context), batch.token_mask)
+
+
 def _capture_layers(worker: DraftWorker | None, save_layers: tuple[int, ...]) -> tuple[int, ...]:
     return worker.capture_layers if worker is not None else save_layers
 
@@ -124,15 +135,14 @@ def make_prefill_step(graphdef: nnx.GraphDef, worker: DraftWorker | None = None,
 
     def prefill(params: Params, state: EngineState, batch: StepBatch
                 ) -> tuple[EngineState, PrefillOutput]:
+        batch = batch.check()
         model = nnx.merge(graphdef, params.target)
         runs = aux_state.begin(state.aux, batch, verify=False)
         kv_target, hidden, captured = paged_forward(model, state.target, batch, capture,
                                                     aux=runs)
         aux = aux_state.commit(state.aux, runs, batch.slots, batch.query_lens, verify=False)
         raw = model.logits(last_rows(hidden, batch.query_lens))
-        logits = apply_token_mask(penalize(apply_bias(raw, batch.bias_ids, batch.bias_values)
-                                           [:, None], state.penalties, batch),
-                                  batch.token_mask)[:, 0]
+        logits = target_logits(raw[:, None], state.penalties, batch)[:, 0]
         keys = sampling_keys(batch.seeds, batch.start_pos + batch.query_lens)
         tokens = sample(logits, batch.temperature, batch.top_k, batch.top_p, batch.min_p, keys)
         run, num_drafts, kv_draft = tokens[:, None], jnp.zeros_like(tokens), state.draft
@@ -152,17 +162,15 @@ def make_prefill_step(graphdef: nnx.GraphDef, worker: DraftWorker | None = None,
                                          after)
         tree = tree_of(worker)
         depth = tree.max_depth if tree else state.slots.run.shape[1] - 1
-        drafts = probs = parents = from_sa = None
+        drafts = num = probs = parents = from_sa = None
         if worker is not None:
-            kv_draft, drafts, extra = worker.catch_up(params.draft, kv_draft, batch, model,
-                                                      captured, following, depth,
-                                                      penalties=penalties)
-            if tree:  # a tree worker hands back the nodes' parents, a chain its distributions
-                parents = extra
-            else:
-                probs = extra
+            kv_draft, proposed = worker.catch_up(params.draft, kv_draft, batch, model,
+                                                 captured, following, depth,
+                                                 penalties=penalties)
+            if proposed is not None:
+                drafts, num = proposed.tokens, proposed.num
+                probs, parents = proposed.probs, proposed.parents
         history = state.suffix
-        num = None if drafts is None else jnp.full_like(tokens, drafts.shape[1])
         if suffix is not None and worker is not None and drafts is None:
             # The drafter drafts from the first generation step on; SA may already now.
             drafts, num = jnp.zeros((tokens.shape[0], depth), jnp.int32), jnp.zeros_like(tokens)
@@ -197,6 +205,7 @@ def make_generation_step(graphdef: nnx.GraphDef, worker: DraftWorker | None = No
 
     def generation(params: Params, state: EngineState, batch: StepBatch
                    ) -> tuple[EngineState, GenerationOutput]:
+        batch = batch.check()
         D = batch.tokens.shape[1] - 1
         if runs_on_device(worker, D, suffix):
             batch = runs_from_slots(batch, state.slots, D)
@@ -207,9 +216,7 @@ def make_generation_step(graphdef: nnx.GraphDef, worker: DraftWorker | None = No
         kv_target, hidden, captured = paged_forward(model, state.target, batch, capture,
                                                     aux=runs)
         raw = model.logits(hidden)
-        logits = apply_token_mask(
-            penalize(apply_bias(raw, batch.bias_ids, batch.bias_values), state.penalties,
-                     batch, batch.tokens, chain_context(D + 1)), batch.token_mask)
+        logits = target_logits(raw, state.penalties, batch, chain_context(D + 1))
         # Decided by shapes: without draft distributions acceptance fails closed to strict.
         draft_probs = state.slots.draft_probs
         rejection = draft_probs is not None and D > 0
@@ -239,12 +246,11 @@ def make_generation_step(graphdef: nnx.GraphDef, worker: DraftWorker | None = No
         if penalties is not None:
             penalties = record_generated(penalties, batch.slots, new_tokens, lens)
         B = batch.tokens.shape[0]
-        drafts, probs, kv_draft = jnp.zeros((B, 0), jnp.int32), None, state.draft
+        proposed, kv_draft = Drafts.every(jnp.zeros((B, 0), jnp.int32)), state.draft
         if worker is not None:
-            kv_draft, drafts, probs = worker.draft(params.draft, kv_draft, batch, model,
-                                                   captured, new_tokens, lens, D,
-                                                   penalties=penalties)
-        num = jnp.full((B,), drafts.shape[1], jnp.int32)
+            kv_draft, proposed = worker.draft(params.draft, kv_draft, batch, model, captured,
+                                              new_tokens, lens, D, penalties=penalties)
+        drafts, num, probs = proposed.tokens, proposed.num, proposed.probs
         history, from_sa = state.suffix, None
         if suffix is not None:
             history = record(history, batch.slots, batch.start_pos + 1, new_tokens, lens)
@@ -271,6 +277,7 @@ def tree_generation(graphdef: nnx.GraphDef, worker: DraftWorker, suffix: SuffixS
     and let the worker catch up over the path and grow the next tree (which the SA enhancer
     replaces by its chain for rows whose context repeats)."""
     shape = worker.tree
+    batch = batch.check()
     T = batch.tokens.shape[1] - 1
     depth = shape.depth_for(T)
     batch = runs_from_slots(batch, state.slots, T)
@@ -284,9 +291,7 @@ def tree_generation(graphdef: nnx.GraphDef, worker: DraftWorker, suffix: SuffixS
     raw = model.logits(hidden)
     # A node the grammar forbids is never accepted (its parent's masked token is never it),
     # so a tree needs its nodes' masks but no cut.
-    logits = apply_token_mask(
-        penalize(apply_bias(raw, batch.bias_ids, batch.bias_values), state.penalties, batch,
-                 batch.tokens, tree_context(layout.ancestors)), batch.token_mask)
+    logits = target_logits(raw, state.penalties, batch, tree_context(layout.ancestors))
     targets = target_tokens(logits, positions, batch.temperature, batch.top_k, batch.top_p,
                             batch.min_p, batch.seeds)
     new_tokens, lens, path = tree_accept(batch.tokens, parents, layout, targets, depth)
@@ -299,10 +304,9 @@ def tree_generation(graphdef: nnx.GraphDef, worker: DraftWorker, suffix: SuffixS
                               jnp.where(real, lens - 1, 0))
     # The worker reads the accepted rows' hidden states in sequence order, as after a chain.
     captured = jnp.take_along_axis(captured, path[None, :, :, None], axis=2)
-    kv_draft, drafts, tree_parents = worker.draft(params.draft, state.draft, batch, model,
-                                                  captured, new_tokens, lens, depth)
-    B = batch.tokens.shape[0]
-    num = jnp.full((B,), drafts.shape[1], jnp.int32)
+    kv_draft, proposed = worker.draft(params.draft, state.draft, batch, model, captured,
+                                      new_tokens, lens, depth)
+    drafts, num, tree_parents = proposed.tokens, proposed.num, proposed.parents
     penalties = state.penalties
     if penalties is not None:
         penalties = record_generated(penalties, batch.slots, new_tokens, lens)

@@ -18,22 +18,20 @@ trusted after it -- and the engine carries on with a fresh state for the waiting
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from typing import Sequence
 
 import numpy as np
-from jax.sharding import Mesh
 
 from specjax.core.aux_state import aux_bytes_per_slot
-from specjax.core.recurrent import check_commit_mode
-from specjax.core.sharding import TP, TensorParallel, make_mesh
 from specjax.core.state import init_state, split_model
 from specjax.core.steps import runs_on_device
 from specjax.engine.allocator import BlockAllocator
 from specjax.engine.bookkeeper import Bookkeeper, DispatchedStep, GenerationRow
-from specjax.engine.executor import Executor, bucket, power_of_two_buckets
+from specjax.engine.config import (EngineConfig, EngineSnapshot,  # noqa: F401 (re-export)
+                                   hybrid_engine_config)
+from specjax.engine.executor import Executor, bucket
 from specjax.engine.grammar import Grammars, check_guided
 from specjax.engine.hidden_states import HiddenStateRecorder
 from specjax.engine.output import OutputProcessor, logprob_entries
@@ -50,109 +48,6 @@ from specjax.tokenizer import Tokenizer
 from specjax.validation import check_draft_tokens, check_request
 
 log = logging.getLogger("specjax.engine")
-
-
-def hybrid_engine_config(config: EngineConfig, tp) -> EngineConfig:
-    """What a hybrid (recurrent-layer) target changes: no prefix cache -- cached K/V blocks
-    cannot give back the recurrent state after them, so a request reading them would start
-    its mixers from the wrong state -- and no tensor parallelism (no split plan for mixers)."""
-    if tp is not None:
-        raise ValueError("tensor parallelism does not support hybrid (Mamba) targets yet: "
-                         "use tensor_parallel_size=1")
-    if config.enable_prefix_cache:
-        log.info("prefix cache off: a hybrid target's recurrent state cannot be rebuilt from "
-                 "cached K/V blocks")
-    return dataclasses.replace(config, enable_prefix_cache=False)
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineConfig:
-    """Static engine sizing; every compiled shape follows from it."""
-
-    max_batch_size: int = 8
-    max_model_len: int | None = None    # default: the model's max_position_embeddings
-    tokens_per_block: int = 16
-    num_kv_blocks: int | None = None    # default: room for max_batch_size full-length requests
-    prefill_chunk: int = 64             # run width of prompt-chunk steps
-    max_prefill_rows: int = 2           # per-step prompt token budget = chunk x rows
-    # The batch sizes generation steps compile for (CUDA-graph capture sizes in TensorRT-LLM):
-    # a batch runs padded to the smallest one that holds it. Default: 1, 2, 4, ... and
-    # max_batch_size. Fewer sizes, fewer programs to compile; more padding in small batches.
-    batch_sizes: tuple[int, ...] | None = None
-    # Dispatch step N+1 before reading step N, in modes whose next inputs stay on device.
-    overlap_scheduler: bool = True
-    # Share full KV blocks of committed tokens between requests with a common prefix
-    # (`specjax.engine.prefix_cache`).
-    enable_prefix_cache: bool = True
-    # Tensor parallelism (`specjax.core.sharding`): the target split over this many devices,
-    # or over `mesh`'s "tp" axis (a user-built Mesh; then its size decides).
-    tensor_parallel_size: int = 1
-    mesh: Mesh | None = None
-    # Hybrid targets: how a verify step commits the recurrent state at the accepted depth,
-    # "replay" (re-scan the accepted inputs) or "states" (keep every position's); see
-    # `specjax.core.recurrent` for what each costs.
-    recurrent_commit: str = "replay"
-    # Run the target's layers under `lax.scan` (one layer body per compiled program) or
-    # unrolled (L copies: compiles L times longer; see `specjax.models.llama`).
-    scan_layers: bool = True
-
-    def __post_init__(self):
-        for name in ("max_batch_size", "tokens_per_block", "prefill_chunk", "max_prefill_rows",
-                     "tensor_parallel_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
-        for name in ("max_model_len", "num_kv_blocks"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 2):
-                raise ValueError(f"{name} must be an int >= 2, got {value!r}")
-        check_commit_mode(self.recurrent_commit)
-        sizes = self.batch_sizes
-        if sizes is not None and (
-                not isinstance(sizes, tuple) or not sizes
-                or not all(isinstance(b, int) and 1 <= b <= self.max_batch_size for b in sizes)
-                or list(sizes) != sorted(set(sizes)) or sizes[-1] != self.max_batch_size):
-            raise ValueError(f"batch_sizes must be increasing ints in 1..max_batch_size, ending "
-                             f"at max_batch_size ({self.max_batch_size}); got {sizes!r}")
-
-        if self.mesh is not None and self.tensor_parallel_size not in (1, self.mesh.shape.get(
-                TP, 0)):
-            raise ValueError(f"tensor_parallel_size {self.tensor_parallel_size} disagrees with "
-                             f"the mesh's {TP!r} axis ({dict(self.mesh.shape)}); pass one")
-
-    @property
-    def decode_buckets(self) -> tuple[int, ...]:
-        return self.batch_sizes or power_of_two_buckets(self.max_batch_size)
-
-    def tensor_parallel(self) -> TensorParallel | None:
-        """The mesh the steps run on; None for one device."""
-        if self.mesh is not None:
-            return TensorParallel(self.mesh)
-        if self.tensor_parallel_size > 1:
-            return TensorParallel(make_mesh(self.tensor_parallel_size))
-        return None
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineSnapshot:
-    """The engine's figures at one moment: what a server's metrics and health read, taken on
-    the engine's own thread so no other thread reads its mutable state."""
-
-    running: int = 0
-    waiting: int = 0
-    running_ids: tuple[int, ...] = ()
-    kv_blocks_free: int = 0
-    kv_blocks_total: int = 0
-    num_steps: int = 0
-    num_generated_tokens: int = 0
-    num_preemptions: int = 0
-    num_failed_requests: int = 0
-    prefix_cache_hit_rate: float | None = None
-    prefix_cache_blocks: int = 0
-    acceptance_length: float | None = None
-    acceptance_rate: float | None = None
-    acceptance_per_position: tuple[float, ...] = ()
-    draft_overhead: float | None = None
 
 
 class Engine:

@@ -30,12 +30,12 @@ from specjax.engine.stats import EngineStats
 
 def pool_lookahead(worker) -> int:
     """Tokens after position t that an in-step drafter's K/V at t depend on."""
-    return getattr(worker, "pool_lookahead", 0)
+    return 0 if worker is None else worker.pool_lookahead
 
 
 def rewrites_committed(worker) -> bool:
     """Whether the drafter's K/V at every committed position are what a prefill would write."""
-    return getattr(worker, "rewrites_committed", True)
+    return True if worker is None else worker.rewrites_committed
 
 
 @dataclasses.dataclass

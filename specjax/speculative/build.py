@@ -239,53 +239,17 @@ def get_spec_worker(config: SpeculativeConfig | None, draft_model=None,
     `load_draft_model` returns; hidden-state drafters also need the target's config."""
     if config is None or not config.mode.has_draft_module():
         return None
-    from specjax.speculative import workers
+    from specjax.speculative.workers import WORKERS  # each worker module registers itself
     mode = config.mode
-    rs = config.use_rejection_sampling
     if draft_model is None:
         raise ValueError(f"{mode.name} needs its drafter module (see load_draft_model)")
-    graphdef = nnx.graphdef(draft_model.for_inference())  # the layout the steps run
-    if mode is SpeculativeDecodingMode.DRAFT_TARGET_ONE_MODEL:
-        return workers.DraftTargetWorker(graphdef, draft_model.config, rejection_sampling=rs)
     if target_config is None:
         raise ValueError(f"{mode.name} needs the target's config")
-    if mode is SpeculativeDecodingMode.PARD:
-        if config.mask_token_id is None:
-            raise ValueError("PARD needs mask_token_id (see with_drafter_fields)")
-        return workers.PARDWorker(graphdef, draft_model.config, config.mask_token_id,
-                                  target_config.vocab_size, rejection_sampling=rs)
-    if mode is SpeculativeDecodingMode.DFLASH:
-        head = draft_model.config
-        for layer in config.layers_for(head.target_layer_ids):
-            if layer >= target_config.num_layers:
-                raise ValueError(f"the DFlash drafter reads target layer {layer}; the target has "
-                                 f"{target_config.num_layers}")
-        mask = head.mask_token_id if config.mask_token_id is None else config.mask_token_id
-        if mask > target_config.vocab_size:
-            raise ValueError(f"mask_token_id {mask} is past the target's vocabulary "
-                             f"({target_config.vocab_size} tokens; {target_config.vocab_size} "
-                             "is the drafter's own mask embedding)")
-        return workers.DFlashWorker(graphdef, head.target_layer_ids, head, mask, rs)
-    L = target_config.num_layers
-    if mode is SpeculativeDecodingMode.EAGLE3_ONE_MODEL:
-        layers = config.layers_to_capture(L, draft_model.config.aux_hidden_state_layers)
-        tree = _tree_within(config, draft_model.config.draft_vocab_size)
-        return workers.Eagle3Worker(graphdef, layers, rs, tree, head_config=draft_model.config)
-    if mode is SpeculativeDecodingMode.MTP_EAGLE_ONE_MODEL:
-        tree = _tree_within(config, target_config.vocab_size)
-        return workers.MTPEagleWorker(graphdef, (L - 1,), rs, tree, target_config=target_config)
-    if mode is SpeculativeDecodingMode.MTP:
-        return workers.MTPWorker(graphdef, (L - 1,), draft_model.num_modules, target_config, rs)
-    raise NotImplementedError(f"speculative mode {mode.name} is not implemented yet")
-
-
-def _tree_within(config, vocab_size: int) -> TreeShape | None:
-    """The config's draft-tree shape, checked against the drafter's vocabulary."""
-    tree = config.tree_shape
-    if tree is not None and tree.top_k > vocab_size:
-        raise ValueError(f"dynamic_tree_max_topK ({tree.top_k}) exceeds the drafter's vocabulary "
-                         f"({vocab_size} tokens)")
-    return tree
+    factory = WORKERS.get(mode)
+    if factory is None:
+        raise NotImplementedError(f"speculative mode {mode.name} is not implemented yet")
+    graphdef = nnx.graphdef(draft_model.for_inference())  # the layout the steps run
+    return factory(config, graphdef, draft_model, target_config)
 
 
 def get_spec_drafter(config: SpeculativeConfig | None,

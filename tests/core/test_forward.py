@@ -108,3 +108,18 @@ def test_the_step_holds_one_layer_and_one_attention_body():
     base = program(2, 256)
     assert program(6, 256) == base
     assert program(2, 2048) == base
+
+
+def test_a_batch_of_the_wrong_shape_is_refused_by_name():
+    """Shapes are checked while a step is traced: a field that disagrees with the batch's
+    tokens is named before anything compiles."""
+    model = Llama(TINY.replace(max_position_embeddings=64), rngs=nnx.Rngs(0))
+    llm = specjax.LLM(model, max_batch_size=2, tokens_per_block=4, progress=False)
+    ex = llm.engine.executor
+    good = empty_batch(2, 3, ex.blocks_per_seq, ex.spare_slot)
+    ex.steps["generation"].lower(ex.params, ex.state, good)   # the good one traces
+    for field, bad in (("query_lens", np.zeros(3, np.int32)),
+                       ("temperature", np.zeros(2, np.int32)),
+                       ("block_tables", np.zeros((2,), np.int32))):
+        with pytest.raises(ValueError, match=f"StepBatch.{field} has shape"):
+            ex.steps["generation"].lower(ex.params, ex.state, good.replace(**{field: bad}))

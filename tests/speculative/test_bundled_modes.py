@@ -121,3 +121,83 @@ def test_bundled_greedy_equivalence(plain, config):
     assert [o.token_ids for o in guided] == [o.token_ids for o in plain[3]], (
         [o.text for o in guided], [o.text for o in plain[3]])
     assert llm.stats.drafted_tokens > 0
+
+
+def test_rows_may_verify_fewer_drafts_than_the_step_is_wide(plain, monkeypatch):
+    """A worker whose `Drafts.num` differs by row -- here a row verifies all D drafts when its
+    first draft is even and one otherwise -- keeps greedy output exact, and the steps verify
+    exactly what each row asked for (the base of per-request verify lengths)."""
+    import dataclasses
+
+    import jax.numpy as jnp
+
+    from specjax.analysis.trace import trace
+    from specjax.speculative.modes import SpeculativeDecodingMode
+    from specjax.speculative.workers import WORKERS, Eagle3Worker
+
+    @dataclasses.dataclass(frozen=True)
+    class FewerDrafts(Eagle3Worker):
+        def draft(self, *args, **kwargs):
+            kv, drafts = super().draft(*args, **kwargs)
+            D = drafts.tokens.shape[1]
+            if D == 0:
+                return kv, drafts
+            num = jnp.where(drafts.tokens[:, 0] % 2 == 0, D, 1)
+            return kv, drafts.replace(num=jnp.minimum(drafts.num, num))
+
+    mode = SpeculativeDecodingMode.EAGLE3_ONE_MODEL
+    made = WORKERS[mode]
+    monkeypatch.setitem(WORKERS, mode, lambda *args: FewerDrafts(**vars(made(*args))))
+    llm = specjax.LLM("bundled", speculative_config=EagleConfig(max_draft_len=3),
+                      enable_prefix_cache=False, **SIZES)
+    assert isinstance(llm.engine.speculation.worker, FewerDrafts)
+    with trace(llm) as steps:
+        outs = llm.generate(PROMPTS, PARAMS)
+    assert [o.token_ids for o in outs] == plain[0]
+    verified = [v for record in steps.records for v in record.verified]
+    assert 1 in verified and 3 in verified and set(verified) <= {0, 1, 3}, sorted(set(verified))
+
+
+def test_a_new_in_step_drafter_is_one_class_and_one_registration(plain, monkeypatch):
+    """A worker written here -- it drafts the newest token again, D times -- and registered
+    for a mode (`specjax.speculative.workers.register`; monkeypatched so it is undone) runs
+    inside the steps: output stays the plain greedy output, and its drafts were verified."""
+    import dataclasses
+
+    import jax.numpy as jnp
+
+    from specjax.core import Drafts, WorkerDefaults
+    from specjax.core.kv import make_kv_pool
+    from specjax.speculative.modes import SpeculativeDecodingMode
+    from specjax.speculative.workers import WORKERS
+
+    @dataclasses.dataclass(frozen=True)
+    class RepeatWorker(WorkerDefaults):
+        capture_layers: tuple[int, ...] = ()
+        rejection_sampling: bool = False
+
+        def make_kv(self, num_blocks, tokens_per_block, dtype):
+            return make_kv_pool(1, 1, 1, num_blocks, tokens_per_block, dtype)
+
+        def catch_up(self, params, kv, batch, target, captured, following, num_drafts,
+                     penalties=None):
+            if not num_drafts:
+                return kv, None
+            return kv, Drafts.every(jnp.repeat(following[:, None], num_drafts, axis=1))
+
+        def draft(self, params, kv, batch, target, captured, new_tokens, new_lens,
+                  num_drafts, penalties=None):
+            newest = jnp.take_along_axis(new_tokens, (new_lens - 1)[:, None], axis=1)
+            return kv, Drafts.every(jnp.repeat(newest, num_drafts, axis=1))
+
+    monkeypatch.setitem(WORKERS, SpeculativeDecodingMode.DRAFT_TARGET_ONE_MODEL,
+                        lambda config, graphdef, draft_model, target_config: RepeatWorker())
+    llm = specjax.LLM("bundled", speculative_config=DraftTargetConfig(
+        max_draft_len=3, speculative_model="bundled-draft"), enable_prefix_cache=False,
+        **SIZES)
+    assert isinstance(llm.engine.speculation.worker, RepeatWorker)
+    outs = llm.generate(PROMPTS, PARAMS)
+    assert [o.token_ids for o in outs] == plain[0]
+    assert llm.stats.drafted_tokens > 0
+    allocator = llm.engine.allocator
+    assert allocator.num_free_blocks == allocator.total_blocks

@@ -22,12 +22,14 @@ from specjax.models.eagle3_head import Eagle3Head, Eagle3HeadConfig
 from specjax.models.llama import dense_attention
 from specjax.speculative import workers
 from specjax.speculative.config import EagleConfig, MTPConfig, SpeculativeConfig
+from specjax.speculative.modes import SpeculativeDecodingMode
 from specjax.speculative.workers.tree import grow_tree
 from tests.spec_checks import assert_mixed_acceptance, join_mid_run, spec_llm
 from tests.speculative import perm_models
 from tests.speculative.perm_models import CFG, LAYERS, MAX_TOKENS, PROMPTS
 
 V = CFG.vocab_size
+EAGLE3 = SpeculativeDecodingMode.EAGLE3_ONE_MODEL
 
 
 def tree_config(head, K=2, D=3, T=6, **kw):
@@ -55,12 +57,17 @@ def table_worker(table: np.ndarray):
     return TableWorker
 
 
+def use_table(mp: pytest.MonkeyPatch, table: np.ndarray) -> None:
+    """Register, until `mp` undoes it, an EAGLE-3 worker that reads `table`: the registered
+    one's, as a `table_worker`."""
+    made, cls = workers.WORKERS[EAGLE3], table_worker(table)
+    mp.setitem(workers.WORKERS, EAGLE3, lambda *args: cls(**vars(made(*args))))
+
+
 @pytest.fixture
 def table_head(monkeypatch):
     """Use as `table_head(table)` before building an LLM: its EAGLE-3 worker reads `table`."""
-    def use(table):
-        monkeypatch.setattr(workers, "Eagle3Worker", table_worker(table))
-    return use
+    return lambda table: use_table(monkeypatch, table)
 
 
 def perm_table(perm, decoy_seed=0):
@@ -80,7 +87,7 @@ def tree_llm(perm_target):
     a table head that mostly knows the permutation, K = 3, depth 4, 10 nodes, 4 slots."""
     target, perm = perm_target
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(workers, "Eagle3Worker", table_worker(perm_table(perm)))
+        use_table(mp, perm_table(perm))
         llm = spec_llm(target, tree_config(perm_models.eagle_head(target, perm), K=3, D=4, T=10),
                        warmup=True)
     yield llm

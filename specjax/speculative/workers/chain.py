@@ -17,6 +17,7 @@ jitted steps close over it; its parameters travel as traced arguments (`Params.d
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -28,15 +29,18 @@ from specjax.core.forward import PagedAttention, context_attention, take_rows
 from specjax.core.kv import KVPool, make_kv_pool
 from specjax.core.sampling import adjusts_logits, draft_tokens_and_probs
 from specjax.core.tree import TreeShape
+from specjax.core.worker import Drafts, WorkerDefaults
 from specjax.models.config import ModelConfig
 from specjax.models.eagle3_head import Eagle3HeadConfig
 from specjax.models.mtp_head import target_lm_head
+from specjax.speculative.modes import SpeculativeDecodingMode
 from specjax.speculative.workers.common import head_pass, shift_in
+from specjax.speculative.workers.registry import register
 from specjax.speculative.workers.tree import grow_tree
 
 
 @dataclasses.dataclass(frozen=True)
-class ChainWorker:
+class ChainWorker(WorkerDefaults):
     """EAGLE-style chain: one layer, one pool layer, D drafts from D - 1 single-row passes."""
 
     graphdef: nnx.GraphDef
@@ -44,7 +48,7 @@ class ChainWorker:
     rejection_sampling: bool = False
     tree: TreeShape | None = None   # a dynamic tree's shape; None drafts a chain
     # Row t's K/V depend on the token at t+1 (`specjax.engine.prefix_cache`).
-    pool_lookahead = 1
+    pool_lookahead: ClassVar[int] = 1
 
     # -- what a concrete head provides -----------------------------------------------------
     def _first_hidden(self, head, captured: jax.Array) -> jax.Array:
@@ -80,11 +84,10 @@ class ChainWorker:
 
     def catch_up(self, params, kv: KVPool, batch: StepBatch, target, captured: jax.Array,
                  following: jax.Array, num_drafts: int = 0, penalties=None
-                 ) -> tuple[KVPool, jax.Array | None, jax.Array | None]:
+                 ) -> tuple[KVPool, Drafts | None]:
         """Prompt chunks: write the drafter's K/V for the chunk's rows and, given
         `num_drafts`, draft that many tokens after each row's sampled token, so the first
-        generation step already verifies drafts. -> (kv, drafts `[B, num_drafts]` or None,
-        their distributions `[B, num_drafts, V]` under rejection sampling, else None)."""
+        generation step already verifies drafts."""
         tokens = shift_in(batch.tokens, batch.query_lens, following)
         if num_drafts:
             return self.draft(params, kv, batch, target, captured, tokens, batch.query_lens,
@@ -92,18 +95,16 @@ class ChainWorker:
         head = nnx.merge(self.graphdef, params)
         kv, _ = head_pass(self._layer(head), kv, 0, batch.replace(tokens=tokens), target,
                           self._first_hidden(head, captured))
-        return kv, None, None
+        return kv, None
 
     def draft(self, params, kv: KVPool, batch: StepBatch, target, captured: jax.Array,
               new_tokens: jax.Array, new_lens: jax.Array, num_drafts: int, penalties=None
-              ) -> tuple[KVPool, jax.Array, jax.Array | None]:
+              ) -> tuple[KVPool, Drafts]:
         """After acceptance: catch up over the accepted rows, then draft `num_drafts` tokens
         (a tree worker: a tree of that depth, without penalties).
 
         captured `[C, B, W, H]`, new_tokens `[B, W]` (the accepted rows in sequence order),
-        new_lens `[B]` -> (kv, drafts `[B, num_drafts]`, their distributions
-        `[B, num_drafts, V]` or None); a tree worker: (kv, node tokens `[B, T]`, parents
-        `[B, T]`)."""
+        new_lens `[B]`."""
         head = nnx.merge(self.graphdef, params)
         layer = self._layer(head)
         lens = jnp.where(batch.query_lens > 0, new_lens, 0)
@@ -115,7 +116,7 @@ class ChainWorker:
         kv = paged.write(k, v, 0, kv)  # the accepted rows: the next step's context
         B = new_tokens.shape[0]
         if num_drafts == 0:
-            return kv, jnp.zeros((B, 0), jnp.int32), None
+            return kv, Drafts.every(jnp.zeros((B, 0), jnp.int32))
         last = jnp.maximum(lens - 1, 0)
         context_lens = jnp.where(lens > 0, batch.start_pos + lens, 0)
         newest = batch.start_pos + last  # the newest token's position
@@ -130,12 +131,12 @@ class ChainWorker:
         out, _ = attend(take_rows(q, last)[:, None], newest[:, None])
         h = layer.finish(out.astype(q.dtype), take_rows(residual, last)[:, None])[:, 0]
         if self.tree is None:
-            drafts, extra = self._chain(head, layer, target, batch, attend, h, newest, lens,
+            drafts, probs = self._chain(head, layer, target, batch, attend, h, newest, lens,
                                         num_drafts, penalties)
-        else:
-            drafts, extra = self._tree(head, layer, target, attend, h,
-                                       take_rows(new_tokens, last), newest, num_drafts)
-        return kv, drafts, extra
+            return kv, Drafts.every(drafts, probs=probs)
+        nodes, parents = self._tree(head, layer, target, attend, h,
+                                    take_rows(new_tokens, last), newest, num_drafts)
+        return kv, Drafts.every(nodes, parents=parents)
 
     def _chain(self, head, layer, target, batch, attend, h, newest, lens, num_drafts,
                penalties):
@@ -282,3 +283,28 @@ class MTPEagleWorker(ChainWorker):
 
     def _kv_shape(self):
         return self.target_config.num_kv_heads, self.target_config.head_dim
+
+
+def tree_within(config, vocab_size: int) -> TreeShape | None:
+    """The config's draft-tree shape, checked against the drafter's vocabulary."""
+    tree = config.tree_shape
+    if tree is not None and tree.top_k > vocab_size:
+        raise ValueError(f"dynamic_tree_max_topK ({tree.top_k}) exceeds the drafter's vocabulary "
+                         f"({vocab_size} tokens)")
+    return tree
+
+
+@register(SpeculativeDecodingMode.EAGLE3_ONE_MODEL)
+def eagle3_worker(config, graphdef, draft_model, target_config) -> Eagle3Worker:
+    head = draft_model.config
+    layers = config.layers_to_capture(target_config.num_layers, head.aux_hidden_state_layers)
+    return Eagle3Worker(graphdef, layers, config.use_rejection_sampling,
+                        tree_within(config, head.draft_vocab_size), head_config=head)
+
+
+@register(SpeculativeDecodingMode.MTP_EAGLE_ONE_MODEL)
+def mtp_eagle_worker(config, graphdef, draft_model, target_config) -> MTPEagleWorker:
+    return MTPEagleWorker(graphdef, (target_config.num_layers - 1,),
+                          config.use_rejection_sampling,
+                          tree_within(config, target_config.vocab_size),
+                          target_config=target_config)

@@ -15,11 +15,14 @@ from specjax.core.batch import StepBatch
 from specjax.core.forward import paged_forward
 from specjax.core.kv import KVPool, make_kv_pool
 from specjax.core.sampling import draft_tokens_and_probs
+from specjax.core.worker import Drafts, WorkerDefaults
 from specjax.models.config import ModelConfig
+from specjax.speculative.modes import SpeculativeDecodingMode
+from specjax.speculative.workers.registry import register
 
 
 @dataclasses.dataclass(frozen=True)
-class DraftTargetWorker:
+class DraftTargetWorker(WorkerDefaults):
     """Static (hashable) description of the draft model; its params travel as traced args
     (`Params.draft`). Implements `specjax.core.DraftWorker`."""
 
@@ -36,25 +39,22 @@ class DraftTargetWorker:
                             tokens_per_block, dtype)
 
     def catch_up(self, params, kv: KVPool, batch: StepBatch, target, captured,
-                 following, num_drafts: int = 0, penalties=None) -> tuple[KVPool, None, None]:
+                 following, num_drafts: int = 0, penalties=None) -> tuple[KVPool, None]:
         """Write the draft model's K/V for the same runs the target just processed (drafting
         starts with the first generation step)."""
         kv, _, _ = paged_forward(nnx.merge(self.graphdef, params), kv, batch)
-        return kv, None, None
+        return kv, None
 
     def draft(self, params, kv: KVPool, batch: StepBatch, target, captured,
               new_tokens: jax.Array, new_lens: jax.Array, num_drafts: int, penalties=None
-              ) -> tuple[KVPool, jax.Array, jax.Array | None]:
+              ) -> tuple[KVPool, Drafts]:
         """After acceptance: catch up over the verified window, then draft `num_drafts` tokens
-        one at a time from each row's newest token.
-
-        Returns (kv, drafts `[B, num_drafts]`, draft probs `[B, num_drafts, V]` or None).
-        """
+        one at a time from each row's newest token."""
         model = nnx.merge(self.graphdef, params)
         kv, _, _ = paged_forward(model, kv, batch)
         B = new_tokens.shape[0]
         if num_drafts == 0:
-            return kv, jnp.zeros((B, 0), jnp.int32), None
+            return kv, Drafts.every(jnp.zeros((B, 0), jnp.int32))
         newest = jnp.take_along_axis(new_tokens, (new_lens - 1)[:, None], axis=1)[:, 0]
         live = (batch.query_lens > 0).astype(jnp.int32)
 
@@ -73,4 +73,10 @@ class DraftTargetWorker:
                                                       jnp.arange(num_drafts))
         if probs is not None:
             probs = probs.transpose(1, 0, 2)
-        return kv, drafts.T, probs
+        return kv, Drafts.every(drafts.T, probs=probs)
+
+
+@register(SpeculativeDecodingMode.DRAFT_TARGET_ONE_MODEL)
+def draft_target_worker(config, graphdef, draft_model, target_config) -> DraftTargetWorker:
+    return DraftTargetWorker(graphdef, draft_model.config,
+                             rejection_sampling=config.use_rejection_sampling)

@@ -9,6 +9,7 @@ Prompt chunks run every module over the chunk, the tokens shifted by one more pe
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -18,13 +19,16 @@ from specjax.core.batch import StepBatch
 from specjax.core.forward import take_rows
 from specjax.core.kv import KVPool, make_kv_pool
 from specjax.core.sampling import draft_tokens_and_probs
+from specjax.core.worker import Drafts, WorkerDefaults
 from specjax.models.config import ModelConfig
 from specjax.models.mtp_head import target_lm_head
+from specjax.speculative.modes import SpeculativeDecodingMode
+from specjax.speculative.workers.registry import register
 from specjax.speculative.workers.common import head_pass, shift_in
 
 
 @dataclasses.dataclass(frozen=True)
-class MTPWorker:
+class MTPWorker(WorkerDefaults):
     """Vanilla MTP (mode MTP): module s drafts token s+1; one pool layer per module."""
 
     graphdef: nnx.GraphDef
@@ -35,10 +39,10 @@ class MTPWorker:
     # Module s's K/V at t read the token at t+s+1, and rows written from drafts are not
     # rewritten once the drafts are verified: only a prompt's prefill writes shareable blocks
     # (`specjax.engine.prefix_cache`).
-    rewrites_committed = False
+    rewrites_committed: ClassVar[bool] = False
 
     @property
-    def pool_lookahead(self) -> int:
+    def pool_lookahead(self) -> int:  # type: ignore[override]
         return self.num_modules
 
     def make_kv(self, num_blocks: int, tokens_per_block: int, dtype: str) -> KVPool:
@@ -75,17 +79,17 @@ class MTPWorker:
 
     def catch_up(self, params, kv: KVPool, batch: StepBatch, target, captured: jax.Array,
                  following: jax.Array, num_drafts: int = 0, penalties=None
-                 ) -> tuple[KVPool, None, None]:
+                 ) -> tuple[KVPool, None]:
         head = nnx.merge(self.graphdef, params)
         run = batch.replace(tokens=shift_in(batch.tokens, batch.query_lens, following))
         # Module s > 0 reads tokens past the chunk: its own drafts stand in for them.
         kv, _, _ = self._modules_pass(head, kv, run, target, captured[0], self.num_modules,
                                       False, None)
-        return kv, None, None
+        return kv, None
 
     def draft(self, params, kv: KVPool, batch: StepBatch, target, captured: jax.Array,
               new_tokens: jax.Array, new_lens: jax.Array, num_drafts: int, penalties=None
-              ) -> tuple[KVPool, jax.Array, jax.Array | None]:
+              ) -> tuple[KVPool, Drafts]:
         head = nnx.merge(self.graphdef, params)
         lens = jnp.where(batch.query_lens > 0, new_lens, 0)
         run = batch.replace(tokens=new_tokens, query_lens=lens)
@@ -95,4 +99,10 @@ class MTPWorker:
                                                batch.start_pos + new_lens + 1, penalties)
         if probs is not None:
             probs = probs[:, :num_drafts]
-        return kv, drafts[:, :num_drafts], probs
+        return kv, Drafts.every(drafts[:, :num_drafts], probs=probs)
+
+
+@register(SpeculativeDecodingMode.MTP)
+def mtp_worker(config, graphdef, draft_model, target_config) -> MTPWorker:
+    return MTPWorker(graphdef, (target_config.num_layers - 1,), draft_model.num_modules,
+                     target_config, config.use_rejection_sampling)

@@ -28,8 +28,11 @@ from specjax.core.batch import StepBatch
 from specjax.core.forward import PagedAttention, paged_forward
 from specjax.core.kv import KVPool, make_kv_pool
 from specjax.core.sampling import adjusts_logits, draft_tokens_and_probs
+from specjax.core.worker import Drafts, WorkerDefaults
 from specjax.models.config import ModelConfig
 from specjax.models.dflash_head import DFlashHeadConfig
+from specjax.speculative.modes import SpeculativeDecodingMode
+from specjax.speculative.workers.registry import register
 from specjax.speculative.workers.common import attend_over_context
 
 
@@ -69,7 +72,7 @@ def _local_pass(batch: StepBatch, kv: KVPool, context_lens: jax.Array, positions
 
 
 @dataclasses.dataclass(frozen=True)
-class PARDWorker:
+class PARDWorker(WorkerDefaults):
     """Implements `specjax.core.DraftWorker` for PARD (mode 12)."""
 
     graphdef: nnx.GraphDef
@@ -98,7 +101,7 @@ class PARDWorker:
         model = nnx.merge(self.graphdef, params)
         kv, _, _ = paged_forward(model, kv, batch)
         if not num_drafts:
-            return kv, None, None
+            return kv, None
         B, K = batch.tokens.shape[0], num_drafts
         p = batch.start_pos + batch.query_lens           # the sampled token's position
         tokens = jnp.concatenate([following[:, None],
@@ -109,7 +112,7 @@ class PARDWorker:
             model.embed_tokens(tokens), positions, attend, None)[0], bidirectional=False)
         drafts, probs = self._drafts(model, hidden, jnp.broadcast_to(jnp.arange(K), (B, K)),
                                      batch, p + 1, penalties)
-        return kv, drafts, probs
+        return kv, Drafts.every(drafts, probs=probs)
 
     def draft(self, params, kv: KVPool, batch: StepBatch, target, captured,
               new_tokens: jax.Array, new_lens: jax.Array, num_drafts: int, penalties=None):
@@ -128,15 +131,15 @@ class PARDWorker:
         run = batch.replace(tokens=tokens, query_lens=jnp.where(live, real, 0))
         kv, hidden, _ = paged_forward(model, kv, run)
         if K == 0:
-            return kv, jnp.zeros((B, 0), jnp.int32), None
+            return kv, Drafts.every(jnp.zeros((B, 0), jnp.int32))
         rows = (head_lens - 1)[:, None] + jnp.arange(K)
         drafts, probs = self._drafts(model, hidden, rows, batch, batch.start_pos + head_lens,
                                      penalties)
-        return kv, drafts, probs
+        return kv, Drafts.every(drafts, probs=probs)
 
 
 @dataclasses.dataclass(frozen=True)
-class DFlashWorker:
+class DFlashWorker(WorkerDefaults):
     """Implements `specjax.core.DraftWorker` for DFlash (mode 13)."""
 
     graphdef: nnx.GraphDef
@@ -175,11 +178,11 @@ class DFlashWorker:
         head = nnx.merge(self.graphdef, params)
         kv = self._write_context(head, kv, batch, captured)
         if not num_drafts:
-            return kv, None, None
+            return kv, None
         drafts, probs = self._block(head, kv, batch, target, following,
                                     batch.start_pos + batch.query_lens, batch.query_lens > 0,
                                     num_drafts, penalties)
-        return kv, drafts, probs
+        return kv, Drafts.every(drafts, probs=probs)
 
     def draft(self, params, kv: KVPool, batch: StepBatch, target, captured,
               new_tokens: jax.Array, new_lens: jax.Array, num_drafts: int, penalties=None):
@@ -191,8 +194,32 @@ class DFlashWorker:
         kv = self._write_context(head, kv, batch.replace(query_lens=lens), captured)
         B = new_tokens.shape[0]
         if num_drafts == 0:
-            return kv, jnp.zeros((B, 0), jnp.int32), None
+            return kv, Drafts.every(jnp.zeros((B, 0), jnp.int32))
         newest = jnp.take_along_axis(new_tokens, jnp.maximum(lens - 1, 0)[:, None], axis=1)[:, 0]
         drafts, probs = self._block(head, kv, batch, target, newest, batch.start_pos + lens,
                                     live, num_drafts, penalties)
-        return kv, drafts, probs
+        return kv, Drafts.every(drafts, probs=probs)
+
+
+@register(SpeculativeDecodingMode.PARD)
+def pard_worker(config, graphdef, draft_model, target_config) -> PARDWorker:
+    if config.mask_token_id is None:
+        raise ValueError("PARD needs mask_token_id (see with_drafter_fields)")
+    return PARDWorker(graphdef, draft_model.config, config.mask_token_id,
+                      target_config.vocab_size, rejection_sampling=config.use_rejection_sampling)
+
+
+@register(SpeculativeDecodingMode.DFLASH)
+def dflash_worker(config, graphdef, draft_model, target_config) -> DFlashWorker:
+    head = draft_model.config
+    for layer in config.layers_for(head.target_layer_ids):
+        if layer >= target_config.num_layers:
+            raise ValueError(f"the DFlash drafter reads target layer {layer}; the target has "
+                             f"{target_config.num_layers}")
+    mask = head.mask_token_id if config.mask_token_id is None else config.mask_token_id
+    if mask > target_config.vocab_size:
+        raise ValueError(f"mask_token_id {mask} is past the target's vocabulary "
+                         f"({target_config.vocab_size} tokens; {target_config.vocab_size} "
+                         "is the drafter's own mask embedding)")
+    return DFlashWorker(graphdef, head.target_layer_ids, head, mask,
+                        config.use_rejection_sampling)
