@@ -17,6 +17,7 @@ from specjax.core.sharding import HEADS, POOL, TP, heads_local
 from specjax.core.tree import TreeLayout
 from specjax.models.llama import NO_WINDOW, Llama, layer_windows
 
+
 def kv_destinations(batch: StepBatch, tokens_per_block: int) -> tuple[jax.Array, jax.Array]:
     """(block ids, offsets), each `[B, T]`, where the runs' K/V go; padding goes to the null
     block."""

@@ -1,5 +1,4 @@
 """filter_logits semantics and the sampled distribution."""
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
