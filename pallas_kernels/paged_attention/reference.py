@@ -172,5 +172,7 @@ def paged_attention_chunks(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
         return merge_attention(acc, (part[0].astype(jnp.float32), part[1]))
 
     needed = jnp.minimum((jnp.max(context_lens) + S - 1) // S, chunks)
-    empty = (jnp.zeros((B, T, H, hd), jnp.float32), jnp.full((B, T, H), -jnp.inf))
+    # Made from q, so that under shard_map the carry varies over the mesh as the body's does.
+    zero = q.astype(jnp.float32) * 0
+    empty = (zero, zero[..., 0] - jnp.inf)
     return jax.lax.fori_loop(0, needed, chunk, empty)
