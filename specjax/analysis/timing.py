@@ -48,7 +48,6 @@ def time_generation_steps(engine: Engine, batch_size: int, widths: Sequence[int]
     ex = engine.executor
     fn = make_generation_step(ex.graphdef)
     params = Params(target=ex.params.target)
-    state = ex.state.replace(draft=None)
     rows = next(b for b in ex.decode_buckets if b >= batch_size)
     if batch_size > ex.spare_slot:
         raise ValueError(f"batch_size {batch_size} > the engine's {ex.spare_slot} slots")
@@ -78,55 +77,24 @@ def time_generation_steps(engine: Engine, batch_size: int, widths: Sequence[int]
                                     num_drafts=state.slots.num_drafts.at[slot_ids].set(0))
         return jax.block_until_ready(state.replace(slots=slots))
 
-    for batch in batches:  # compile and warm each width
-        state = rewind(state)
-        for _ in range(3):
-            state, out = fn(params, state, batch)
-        jax.block_until_ready(out)
-    best = [float("inf")] * len(widths)
-    for _ in range(rounds):
-        for k, batch in enumerate(batches):
+    def timed(engine_state):
+        state = engine_state.replace(draft=None)  # the target-only step never sees it
+        for batch in batches:  # compile and warm each width
             state = rewind(state)
-            start = time.perf_counter()
-            for _ in range(iters):
+            for _ in range(3):
                 state, out = fn(params, state, batch)
             jax.block_until_ready(out)
-            best[k] = min(best[k], (time.perf_counter() - start) / iters)
-    # The step donated every leaf it was given (KV, slots, SA history, penalty counts): the
-    # engine keeps the returned ones, and its drafter state, which the step never saw.
-    ex.state = state.replace(draft=ex.state.draft)
-    return best
+        best = [float("inf")] * len(widths)
+        for _ in range(rounds):
+            for k, batch in enumerate(batches):
+                state = rewind(state)
+                start = time.perf_counter()
+                for _ in range(iters):
+                    state, out = fn(params, state, batch)
+                jax.block_until_ready(out)
+                best[k] = min(best[k], (time.perf_counter() - start) / iters)
+        # The step donated every leaf it was given (KV, slots, SA history, penalty counts):
+        # the engine keeps the returned ones, and its drafter state.
+        return state.replace(draft=engine_state.draft), best
 
-
-def copy_bandwidth(megabytes: int = 256, repeats: int = 10) -> float:
-    """Bytes per second a memory-to-memory copy moves where the model's weights live (read +
-    write, the STREAM convention), the best of `repeats`: the physical floor a decode step's
-    weight reads run against. On a CPU a numpy copy through host memory; on an accelerator a
-    jitted elementwise pass through its own memory (HBM), four times larger. The buffer is
-    far larger than any cache."""
-    if jax.default_backend() == "cpu":
-        src = np.ones(megabytes * 2**20 // 4, np.float32)
-        dst = np.empty_like(src)
-        copy = lambda: np.copyto(dst, src)
-    else:
-        src = jax.numpy.ones(4 * megabytes * 2**20 // 4, np.float32)
-        add = jax.jit(lambda x: x + 1)  # reads and writes every byte once
-        copy = lambda: add(src).block_until_ready()
-        copy()  # compile
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        copy()
-        best = min(best, time.perf_counter() - start)
-    return 2 * src.nbytes / best
-
-
-def decode_weight_bytes(engine: Engine) -> int:
-    """Bytes of target weights one decode step must read: every parameter but the embedding
-    table, of which a step reads only its rows' entries (a tied table is read whole, as the LM
-    head)."""
-    params = engine.executor.params.target
-    total = sum(x.nbytes for x in jax.tree.leaves(params))
-    if not engine.model_config.tie_word_embeddings:
-        total -= params["embed"].nbytes
-    return total
+    return ex.drive(timed)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
+import chex
 import jax
 import numpy as np
 from flax import struct
@@ -99,6 +100,17 @@ class PrefillOutput:
     # last row, the next prompt token or `tokens`)
     prompt_logprobs: Logprobs | None = None
 
+    def check(self, B: int, T: int) -> "PrefillOutput":
+        """Assert the shapes above for a batch of B rows of T tokens (static: a step calls
+        this while it is traced)."""
+        chex.assert_shape(self.tokens, (B,))
+        chex.assert_type(self.tokens, int)
+        if self.hidden_states is not None:
+            chex.assert_shape(self.hidden_states, (None, B, T, None))
+        _check_logprobs(self.logprobs, (B,))
+        _check_logprobs(self.prompt_logprobs, (B, T))
+        return self
+
 
 @struct.dataclass
 class GenerationOutput:
@@ -109,6 +121,25 @@ class GenerationOutput:
     # [C, B, D+1, H]: residual streams after the saved layers (SAVE_HIDDEN_STATES only)
     hidden_states: jax.Array | None = None
     logprobs: Logprobs | None = None         # [B, D+1]: of new_tokens
+
+    def check(self, B: int, D: int) -> "GenerationOutput":
+        """Assert the shapes above for B rows verified to depth D (a tree's depth: its
+        `next_draft_tokens` are its T nodes), while the step is traced."""
+        chex.assert_shape(self.new_tokens, (B, D + 1))
+        chex.assert_shape([self.new_tokens_lens, self.draft_lens], (B,))
+        chex.assert_shape(self.next_draft_tokens, (B, None))
+        chex.assert_type([self.new_tokens, self.new_tokens_lens, self.next_draft_tokens,
+                          self.draft_lens], int)
+        if self.hidden_states is not None:
+            chex.assert_shape(self.hidden_states, (None, B, D + 1, None))
+        _check_logprobs(self.logprobs, (B, D + 1))
+        return self
+
+
+def _check_logprobs(logprobs: Logprobs | None, shape: tuple[int, ...]) -> None:
+    if logprobs is not None:
+        chex.assert_shape(logprobs.chosen, shape)
+        chex.assert_shape([logprobs.top_ids, logprobs.top], (*shape, None))
 
 
 def empty_batch(rows: int, width: int, blocks_per_seq: int, spare_slot: int,

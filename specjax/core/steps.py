@@ -3,7 +3,8 @@
     prefill    (params, state, batch [B, chunk]) -> (state, PrefillOutput)
     generation (params, state, batch [B, D+1])   -> (state, GenerationOutput)
 
-Both are pure: parameters are traced arguments (`Params`), the device state (`EngineState`) is
+Generation is one skeleton for chains and trees (`make_generation_step`). Both are pure:
+parameters are traced arguments (`Params`), the device state (`EngineState`) is
 donated so XLA updates the pools in place, and the static configuration -- the target's graph
 definition, the in-step drafter (`DraftWorker`), the layers to save -- is closed over. Each
 compiles once per (batch bucket, run width); D comes from the batch's shape, so the generation
@@ -154,7 +155,7 @@ def make_prefill_step(graphdef: nnx.GraphDef, worker: DraftWorker | None = None,
             penalties = record_generated(penalties, batch.slots, tokens[:, None],
                                          (ends & (batch.query_lens > 0)).astype(jnp.int32))
         logprobs = maybe_logprobs(batch.logprobs, lambda: raw, tokens)
-        C = batch.tokens.shape[1]
+        B, C = batch.tokens.shape
         after = jnp.concatenate([batch.tokens[:, 1:], following[:, None]], axis=1)
         after = jnp.where(jnp.arange(C) == batch.query_lens[:, None] - 1, following[:, None],
                           after)
@@ -186,58 +187,100 @@ def make_prefill_step(graphdef: nnx.GraphDef, worker: DraftWorker | None = None,
         return (EngineState(target=kv_target, slots=slots, draft=kv_draft, suffix=history,
                             penalties=penalties, aux=aux),
                 PrefillOutput(tokens=tokens, hidden_states=captured if save_layers else None,
-                              logprobs=logprobs, prompt_logprobs=prompt_logprobs))
+                              logprobs=logprobs, prompt_logprobs=prompt_logprobs).check(B, C))
 
     return _jit(prefill, tp)
+
+
+def accept_chain(logits: jax.Array, batch: StepBatch, slots: SlotState
+                 ) -> tuple[jax.Array, jax.Array]:
+    """A chain's acceptance: strict matching against the target's tokens, and rejection
+    sampling for every sampled row whose drafts came with a distribution (not SA's, `strict`,
+    nor the host's) -> (new_tokens `[B, D+1]`, lens `[B]` = accepted + 1)."""
+    D = batch.tokens.shape[1] - 1
+    # Decided by shapes: without draft distributions acceptance fails closed to strict.
+    rejection = slots.draft_probs is not None and D > 0
+    by_rejection = batch.temperature > 0 if rejection else jnp.zeros(batch.slots.shape, bool)
+    if rejection and slots.strict is not None:
+        by_rejection = by_rejection & ~slots.strict[batch.slots]
+    if rejection and batch.host_runs is not None:
+        by_rejection = by_rejection & ~batch.host_runs
+    # Rows rejection sampling decides need no strict sample.
+    strict_temperature = jnp.where(by_rejection, 0.0, batch.temperature)
+    positions = batch.start_pos[:, None] + jnp.arange(D + 1)
+    targets = target_tokens(logits, positions, strict_temperature,
+                            batch.top_k, batch.top_p, batch.min_p, batch.seeds)
+    drafts_in, draft_lens = batch.tokens[:, 1:], batch.query_lens - 1
+    new_tokens, lens = strict_accept(drafts_in, draft_lens, targets)
+    if rejection:
+        new_tokens, lens = rejection_accept(
+            logits, batch.replace(temperature=jnp.where(by_rejection, batch.temperature, 0.0)),
+            drafts_in, draft_lens, slots.draft_probs[batch.slots, :D], new_tokens, lens)
+    return new_tokens, lens
 
 
 @functools.lru_cache(maxsize=None)  # engines over one model share compiled steps
 def make_generation_step(graphdef: nnx.GraphDef, worker: DraftWorker | None = None,
                          save_layers: tuple[int, ...] = (), suffix: SuffixSpec | None = None,
                          tp: TensorParallel | None = None):
-    """The jitted generation step: verify each row's [newest token, drafts] (padded to D+1,
-    query_lens = 1 + real draft length), accept, and -- with an in-step drafter or SA -- draft
-    the next D tokens. Without either, D > 0 runs verify the drafts the host put in the
-    batch."""
+    """The jitted generation step: verify each row's run, accept, and -- with an in-step
+    drafter or SA -- draft the next one. One skeleton for chains and trees, which differ only
+    in their layout, their acceptance and what the worker hands back:
+
+        runs -> target forward -> logits (`target_logits`) -> accept -> commit auxiliary
+        state, penalties, SA history -> draft -> write slots
+
+    A chain run is [newest token, D drafts] (padded to D + 1, query_lens = 1 + the row's
+    drafts): strict or rejection acceptance (`accept_chain`). A tree run is [newest token,
+    T nodes] (T fixes the depth): the tree is verified in one pass, its accepted path walked
+    (`tree_accept`) and that path's K/V moved to linear positions. Without a drafter or SA,
+    D > 0 runs verify the drafts the host put in the batch."""
     capture = _capture_layers(worker, save_layers)
-    if tree_of(worker) is not None:
-        return _jit(functools.partial(tree_generation, graphdef, worker, suffix), tp)
+    tree = tree_of(worker)
 
     def generation(params: Params, state: EngineState, batch: StepBatch
                    ) -> tuple[EngineState, GenerationOutput]:
         batch = batch.check()
-        D = batch.tokens.shape[1] - 1
-        if runs_on_device(worker, D, suffix):
-            batch = runs_from_slots(batch, state.slots, D)
-        batch = clip_to_mask(clip_to_room(batch))
+        W = batch.tokens.shape[1] - 1  # drafts per chain, or nodes per tree
+        if runs_on_device(worker, W, suffix):
+            batch = runs_from_slots(batch, state.slots, W)
         model = nnx.merge(graphdef, params.target)
+        if tree is None:
+            D, layout, parents = W, None, None
+            batch = clip_to_mask(clip_to_room(batch))
+            context = chain_context(W + 1)
+        else:
+            # A node the grammar forbids is never accepted (its parent's masked token is
+            # never it), so a tree needs its nodes' masks but no cut.
+            D = tree.depth_for(W)
+            parents = state.slots.tree_parents[batch.slots, :W]
+            room = batch.max_lens - batch.start_pos - 2  # the deepest node that still fits
+            layout = tree_layout(parents, jnp.maximum(batch.query_lens - 1, 0), room, D)
+            context = tree_context(layout.ancestors)
         # D = 0 (plain decoding) commits every position it runs: no depth to choose.
         runs = aux_state.begin(state.aux, batch, verify=D > 0)
         kv_target, hidden, captured = paged_forward(model, state.target, batch, capture,
-                                                    aux=runs)
+                                                    layout, aux=runs)
         raw = model.logits(hidden)
-        logits = target_logits(raw, state.penalties, batch, chain_context(D + 1))
-        # Decided by shapes: without draft distributions acceptance fails closed to strict.
-        draft_probs = state.slots.draft_probs
-        rejection = draft_probs is not None and D > 0
-        # Rejection sampling decides every sampled row whose drafts have a distribution (not
-        # SA's: `strict`), so strict matching need not sample those.
-        by_rejection = batch.temperature > 0 if rejection else jnp.zeros(batch.slots.shape, bool)
-        if rejection and state.slots.strict is not None:
-            by_rejection = by_rejection & ~state.slots.strict[batch.slots]
-        if rejection and batch.host_runs is not None:
-            by_rejection = by_rejection & ~batch.host_runs
-        strict_temperature = jnp.where(by_rejection, 0.0, batch.temperature)
-        positions = batch.start_pos[:, None] + jnp.arange(D + 1)
-        targets = target_tokens(logits, positions, strict_temperature,
-                                batch.top_k, batch.top_p, batch.min_p, batch.seeds)
-        drafts_in, draft_lens = batch.tokens[:, 1:], batch.query_lens - 1
-        new_tokens, lens = strict_accept(drafts_in, draft_lens, targets)
-        if rejection:
-            new_tokens, lens = rejection_accept(
-                logits, batch.replace(temperature=jnp.where(by_rejection, batch.temperature, 0.0)),
-                drafts_in, draft_lens, draft_probs[batch.slots, :D], new_tokens, lens)
-        logprobs = maybe_logprobs(batch.logprobs, lambda: raw, new_tokens)
+        logits = target_logits(raw, state.penalties, batch, context)
+        real = batch.query_lens > 0
+        if tree is None:
+            new_tokens, lens = accept_chain(logits, batch, state.slots)
+            verified, emitted_raw = batch.query_lens - 1, lambda: raw
+        else:
+            positions = batch.start_pos[:, None] + layout.depths
+            targets = target_tokens(logits, positions, batch.temperature, batch.top_k,
+                                    batch.top_p, batch.min_p, batch.seeds)
+            new_tokens, lens, path = tree_accept(batch.tokens, parents, layout, targets, D)
+            kv_target = relocate_path(kv_target, batch.start_pos, batch.block_tables, path,
+                                      jnp.where(real, lens - 1, 0))
+            # The worker reads the accepted rows' hidden states in sequence order, as after
+            # a chain; each emitted token's logits row is its node's.
+            captured = jnp.take_along_axis(captured, path[None, :, :, None], axis=2)
+            deepest = jnp.max(jnp.where(layout.valid, layout.depths, 0), axis=1)
+            verified = jnp.where(real, deepest, 0)
+            emitted_raw = lambda: jnp.take_along_axis(raw, path[:, :, None], axis=1)  # noqa: E731
+        logprobs = maybe_logprobs(batch.logprobs, emitted_raw, new_tokens)
         # The state after the accepted tokens (newest and drafts, not the bonus token):
         # recurrent layers absorbed every draft, so this is their rollback.
         aux = aux_state.commit(state.aux, runs, batch.slots,
@@ -251,77 +294,20 @@ def make_generation_step(graphdef: nnx.GraphDef, worker: DraftWorker | None = No
             kv_draft, proposed = worker.draft(params.draft, kv_draft, batch, model, captured,
                                               new_tokens, lens, D, penalties=penalties)
         drafts, num, probs = proposed.tokens, proposed.num, proposed.probs
+        parents = proposed.parents
         history, from_sa = state.suffix, None
         if suffix is not None:
             history = record(history, batch.slots, batch.start_pos + 1, new_tokens, lens)
             if D > 0:
-                drafts, num, from_sa, _ = prefer(suffix, propose(suffix, history, batch.slots, D),
-                                                 drafts if worker is not None else None, num)
+                drafts, num, from_sa, parents = prefer(
+                    suffix, propose(suffix, history, batch.slots, D),
+                    drafts if worker is not None else None, num, parents)
         newest = jnp.take_along_axis(new_tokens, (lens - 1)[:, None], axis=1)
         slots = write_slots(state.slots, batch.slots, jnp.concatenate([newest, drafts], axis=1),
-                            batch.start_pos + lens, num, probs, strict=from_sa)
+                            batch.start_pos + lens, num, probs, parents, from_sa)
         return (EngineState(target=kv_target, slots=slots, draft=kv_draft, suffix=history,
                             penalties=penalties, aux=aux),
-                GenerationOutput(new_tokens, lens, drafts, draft_lens,
-                                 captured if save_layers else None, logprobs))
+                GenerationOutput(new_tokens, lens, drafts, verified,
+                                 captured if save_layers else None, logprobs).check(B, D))
 
     return _jit(generation, tp)
-
-
-def tree_generation(graphdef: nnx.GraphDef, worker: DraftWorker, suffix: SuffixSpec | None,
-                    params: Params, state: EngineState, batch: StepBatch
-                    ) -> tuple[EngineState, GenerationOutput]:
-    """The generation step of a tree drafter: each row's run is [newest token, T tree nodes]
-    from slot state (T = the batch's width - 1, which fixes the depth). Verify the tree in one
-    target pass, walk the accepted path (`tree_accept`), move its K/V to linear positions,
-    and let the worker catch up over the path and grow the next tree (which the SA enhancer
-    replaces by its chain for rows whose context repeats)."""
-    shape = worker.tree
-    batch = batch.check()
-    T = batch.tokens.shape[1] - 1
-    depth = shape.depth_for(T)
-    batch = runs_from_slots(batch, state.slots, T)
-    parents = state.slots.tree_parents[batch.slots, :T]
-    room = batch.max_lens - batch.start_pos - 2  # the deepest node whose tokens still fit
-    layout = tree_layout(parents, jnp.maximum(batch.query_lens - 1, 0), room, depth)
-    model = nnx.merge(graphdef, params.target)
-    kv_target, hidden, captured = paged_forward(model, state.target, batch,
-                                                worker.capture_layers, layout)
-    positions = batch.start_pos[:, None] + layout.depths
-    raw = model.logits(hidden)
-    # A node the grammar forbids is never accepted (its parent's masked token is never it),
-    # so a tree needs its nodes' masks but no cut.
-    logits = target_logits(raw, state.penalties, batch, tree_context(layout.ancestors))
-    targets = target_tokens(logits, positions, batch.temperature, batch.top_k, batch.top_p,
-                            batch.min_p, batch.seeds)
-    new_tokens, lens, path = tree_accept(batch.tokens, parents, layout, targets, depth)
-    # Each emitted token's row is its node's: the path's rows.
-    logprobs = maybe_logprobs(batch.logprobs,
-                              lambda: jnp.take_along_axis(raw, path[:, :, None], axis=1),
-                              new_tokens)
-    real = batch.query_lens > 0
-    kv_target = relocate_path(kv_target, batch.start_pos, batch.block_tables, path,
-                              jnp.where(real, lens - 1, 0))
-    # The worker reads the accepted rows' hidden states in sequence order, as after a chain.
-    captured = jnp.take_along_axis(captured, path[None, :, :, None], axis=2)
-    kv_draft, proposed = worker.draft(params.draft, state.draft, batch, model, captured,
-                                      new_tokens, lens, depth)
-    drafts, num, tree_parents = proposed.tokens, proposed.num, proposed.parents
-    penalties = state.penalties
-    if penalties is not None:
-        penalties = record_generated(penalties, batch.slots, new_tokens, lens)
-    history = state.suffix
-    if suffix is not None:
-        history = record(history, batch.slots, batch.start_pos + 1, new_tokens, lens)
-        if depth > 0:
-            drafts, num, _, tree_parents = prefer(suffix, propose(suffix, history, batch.slots,
-                                                                  depth),
-                                                  drafts, num, tree_parents)
-    newest = jnp.take_along_axis(new_tokens, (lens - 1)[:, None], axis=1)
-    slots = write_slots(state.slots, batch.slots, jnp.concatenate([newest, drafts], axis=1),
-                        batch.start_pos + lens, num, tree_parents=tree_parents)
-    deepest = jnp.max(jnp.where(layout.valid, layout.depths, 0), axis=1)
-    return (EngineState(target=kv_target, slots=slots, draft=kv_draft, suffix=history,
-                        penalties=penalties, aux=state.aux),  # trees: attention-only targets
-            GenerationOutput(new_tokens, lens, drafts, jnp.where(real, deepest, 0),
-                             logprobs=logprobs))

@@ -1,5 +1,7 @@
-"""Applying a generation step's results on the host: accepted counts, the KV ledger, statistics
-and the acceptance gate -- in the order that keeps them right:
+"""Applying a step's results on the host. A prompt chunk: the tokens now computed, saved hidden
+states and prompt logprobs, the blocks it completed for the prefix cache, and the first token
+of a prompt's last chunk. A generation step: accepted counts, the KV ledger, statistics and
+the acceptance gate -- in the order that keeps them right:
 
     num_accepted        = new_tokens_lens - 1
     verified_len        = draft slots the step verified: its runtime draft length (a tree's
@@ -25,6 +27,7 @@ from specjax.core.batch import GenerationOutput
 from specjax.engine.allocator import BlockAllocator
 from specjax.engine.hidden_states import HiddenStateRecorder
 from specjax.engine.output import logprob_entries
+from specjax.engine.prefix_cache import PrefixCachePolicy
 from specjax.engine.request import Request, Status
 from specjax.engine.stats import EngineStats, StepRecord
 from specjax.speculative.schedule import SpeculationGate
@@ -58,12 +61,43 @@ class DispatchedStep:
 class Bookkeeper:
     def __init__(self, allocator: BlockAllocator, stats: EngineStats, rewinds: bool,
                  gate: SpeculationGate | None = None,
-                 recorder: HiddenStateRecorder | None = None):
+                 recorder: HiddenStateRecorder | None = None,
+                 prefix_cache: PrefixCachePolicy | None = None):
         self.allocator = allocator
+        self.prefix_cache = prefix_cache
         self.stats = stats
         self.rewinds = rewinds
         self.gate = gate
         self.recorder = recorder
+
+    def apply_prefill(self, rows: list[tuple[Request, int]], out
+                      ) -> tuple[list[Advance], list[tuple[Request, Exception]]]:
+        """Settle a prompt-chunk step whose rows ran `n` tokens of their request each ->
+        ([(request, [its first token], its logprob entries or None)] for rows that ended
+        their prompt, [(request, error)] for rows whose settling raised)."""
+        tokens = np.asarray(out.tokens)
+        hidden = np.asarray(out.hidden_states) if self.recorder is not None else None
+        advanced, failed = [], []
+        for i, (request, n) in enumerate(rows):
+            if request.status is not Status.RUNNING:
+                continue  # its row failed to prepare (or it was cancelled meanwhile)
+            try:
+                if hidden is not None:
+                    self.recorder.record(request, request.num_computed, hidden[:, i, :n])
+                if request.wants_prompt_logprobs:
+                    _record_prompt_logprobs(request, out.prompt_logprobs, i, n)
+                request.num_computed += n
+                if self.prefix_cache is not None:
+                    self.prefix_cache.publish(request)
+                if request.num_computed == request.num_tokens:
+                    request.prefilled = True
+                    token = int(tokens[i])
+                    advanced.append((request, [token], None if request.logprobs is None else
+                                     logprob_entries(out.logprobs, i, [token],
+                                                     request.params.logprobs)))
+            except Exception as e:
+                failed.append((request, e))
+        return advanced, failed
 
     def apply(self, step: DispatchedStep) -> tuple[list[Advance], bool,
                                                    list[tuple[Request, Exception]]]:
@@ -144,3 +178,17 @@ class Bookkeeper:
             self.allocator.rewind(request.request_id, rewind_len)
         self.allocator.rewind(request.request_id, slack)
         assert self.allocator.length(request.request_id) == request.num_computed
+
+
+def _record_prompt_logprobs(request: Request, out, row: int, n: int) -> None:
+    """Row j of a chunk starting at s gives the logprobs of token s + j + 1: keep those of
+    prompt tokens not yet recorded."""
+    start, P = request.num_computed, len(request.prompt_ids)
+    first = len(request.prompt_logprobs)          # the next prompt token without them
+    last = min(start + n, P - 1)                  # the last prompt token this chunk gives
+    if first > last or first < start + 1:
+        return
+    tokens = request.prompt_ids[first:last + 1]
+    entries = logprob_entries(out, row, tokens, request.params.prompt_logprobs,
+                              start=first - start - 1)
+    request.prompt_logprobs.extend(entries)

@@ -9,9 +9,26 @@ from jax.sharding import Mesh
 
 from specjax.core.recurrent import check_commit_mode
 from specjax.core.sharding import TP, TensorParallel, make_mesh
-from specjax.engine.executor import power_of_two_buckets
+from specjax.models.config import ModelConfig
+from specjax.engine.scheduler import kv_reserve
 
 log = logging.getLogger("specjax.engine")
+
+
+def for_model(config: EngineConfig, mc: ModelConfig
+              ) -> tuple[EngineConfig, TensorParallel | None, int]:
+    """`config` checked against the model it serves -> (the config a hybrid target changes,
+    the mesh or None, the longest request)."""
+    tp = config.tensor_parallel()
+    if tp is not None:
+        tp.check(mc)
+    if mc.is_hybrid:
+        config = hybrid_engine_config(config, tp)
+    max_len = config.max_model_len or mc.max_position_embeddings
+    if max_len > mc.max_position_embeddings:
+        raise ValueError(f"max_model_len {max_len} exceeds the model's "
+                         f"max_position_embeddings {mc.max_position_embeddings}")
+    return config, tp, max_len
 
 
 def hybrid_engine_config(config: EngineConfig, tp) -> EngineConfig:
@@ -25,6 +42,33 @@ def hybrid_engine_config(config: EngineConfig, tp) -> EngineConfig:
         log.info("prefix cache off: a hybrid target's recurrent state cannot be rebuilt from "
                  "cached K/V blocks")
     return dataclasses.replace(config, enable_prefix_cache=False)
+
+
+def power_of_two_buckets(limit: int) -> tuple[int, ...]:
+    """1, 2, 4, ... up to and including `limit`."""
+    buckets, b = [], 1
+    while b < limit:
+        buckets.append(b)
+        b *= 2
+    return tuple(buckets + [limit])
+
+
+def bucket(n: int, buckets: tuple[int, ...]) -> int:
+    return next(b for b in buckets if b >= n)
+
+
+def kv_sizing(config: EngineConfig, speculation, max_len: int) -> tuple[int, int]:
+    """(blocks per request, blocks in the pool): the longest KV ledger a request can reach --
+    its context, plus what a generation step may reserve past its newest token -- and by
+    default room for max_batch_size such requests and the null block."""
+    D = speculation.max_draft_len
+    reach = max_len - 1 + kv_reserve(D, speculation.drafts_in_step, speculation.verify_len(D))
+    blocks_per_seq = -(-reach // config.tokens_per_block)
+    num_blocks = config.num_kv_blocks or config.max_batch_size * blocks_per_seq + 1
+    if num_blocks - 1 < blocks_per_seq:
+        raise ValueError(f"num_kv_blocks {num_blocks} cannot hold one request of "
+                         f"max_model_len {max_len} ({blocks_per_seq} blocks + null)")
+    return blocks_per_seq, num_blocks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,3 +159,18 @@ class EngineSnapshot:
     acceptance_rate: float | None = None
     acceptance_per_position: tuple[float, ...] = ()
     draft_overhead: float | None = None
+
+    @classmethod
+    def of(cls, stats, scheduler, allocator, num_steps: int) -> EngineSnapshot:
+        running = scheduler.running
+        return cls(
+            running=len(running), waiting=len(scheduler.waiting),
+            running_ids=tuple(r.request_id for r in running),
+            kv_blocks_free=allocator.num_free_blocks, kv_blocks_total=allocator.total_blocks,
+            num_steps=num_steps, num_generated_tokens=stats.num_generated_tokens,
+            num_preemptions=stats.num_preemptions, num_failed_requests=stats.num_failed_requests,
+            prefix_cache_hit_rate=stats.prefix_cache_hit_rate,
+            prefix_cache_blocks=allocator.num_cached_blocks,
+            acceptance_length=stats.acceptance_length, acceptance_rate=stats.acceptance_rate,
+            acceptance_per_position=tuple(stats.acceptance_per_position),
+            draft_overhead=stats.draft_overhead)

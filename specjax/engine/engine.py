@@ -24,20 +24,18 @@ from typing import Sequence
 
 import numpy as np
 
-from specjax.core.aux_state import aux_bytes_per_slot
-from specjax.core.state import init_state, split_model
 from specjax.core.steps import runs_on_device
 from specjax.engine.allocator import BlockAllocator
 from specjax.engine.bookkeeper import Bookkeeper, DispatchedStep, GenerationRow
 from specjax.engine.config import (EngineConfig, EngineSnapshot,  # noqa: F401 (re-export)
-                                   hybrid_engine_config)
-from specjax.engine.executor import Executor, bucket
+                                   bucket, for_model, kv_sizing)
+from specjax.engine.executor import Executor
 from specjax.engine.grammar import Grammars, check_guided
 from specjax.engine.hidden_states import HiddenStateRecorder
-from specjax.engine.output import OutputProcessor, logprob_entries
+from specjax.engine.output import OutputProcessor
 from specjax.engine.prefix_cache import PrefixCachePolicy, pool_lookahead, rewrites_committed
 from specjax.engine.request import Request, RequestOutput, Status
-from specjax.engine.scheduler import Scheduler, kv_reserve
+from specjax.engine.scheduler import Scheduler
 from specjax.engine.stats import EngineStats
 from specjax.models.llama import Llama
 from specjax.sampling_params import SamplingParams
@@ -55,67 +53,35 @@ class Engine:
                  config: EngineConfig = EngineConfig(), seed: int | None = None,
                  speculative_config: SpeculativeConfig | None = None):
         mc = model.config
-        tp = config.tensor_parallel()
-        if tp is not None:
-            tp.check(mc)
-        if mc.is_hybrid:
-            config = hybrid_engine_config(config, tp)
+        config, tp, self.max_len = for_model(config, mc)
         self.config, self.model_config, self.tokenizer = config, mc, tokenizer
-        self.max_len = config.max_model_len or mc.max_position_embeddings
-        if self.max_len > mc.max_position_embeddings:
-            raise ValueError(f"max_model_len {self.max_len} exceeds the model's "
-                             f"max_position_embeddings {mc.max_position_embeddings}")
         # AUTO: a Llama instance ships no drafter, so the heuristic decides (LLM resolves it
         # first with the model's name).
         speculative_config = resolve_auto(speculative_config, None, config.max_batch_size)
         self.speculation = spec = build_speculation(speculative_config, model, self.max_len)
-        bs, D = config.tokens_per_block, spec.max_draft_len
         self.stats = EngineStats()
         self.gate = spec.make_gate()
         self.recorder = (HiddenStateRecorder(spec.save_hidden_states, spec.save_layers)
                          if spec.save_hidden_states else None)
-        # The longest KV ledger a request can reach: the context, plus what a generation step
-        # may reserve past its newest token.
-        blocks_per_seq = -(-(self.max_len - 1 + kv_reserve(D, spec.drafts_in_step,
-                                                           spec.verify_len(D))) // bs)
-        num_blocks = config.num_kv_blocks or config.max_batch_size * blocks_per_seq + 1
-        if (num_blocks - 1) < blocks_per_seq:
-            raise ValueError(f"num_kv_blocks {num_blocks} cannot hold one request of "
-                             f"max_model_len {self.max_len} ({blocks_per_seq} blocks + null)")
-        self.allocator = BlockAllocator(num_blocks, bs, pool_lookahead(spec.worker))
+        blocks_per_seq, num_blocks = kv_sizing(config, spec, self.max_len)
+        self.allocator = BlockAllocator(num_blocks, config.tokens_per_block, pool_lookahead(spec.worker))
         self.prefix_cache = (PrefixCachePolicy(self.allocator, self.stats,
                                                prefill_only=not rewrites_committed(spec.worker),
                                                recording=self.recorder is not None)
                              if config.enable_prefix_cache else None)
         self.scheduler = Scheduler(self.allocator, config.max_batch_size, config.prefill_chunk,
-                                   config.max_prefill_rows, D, spec.drafts_in_step,
+                                   config.max_prefill_rows, spec.max_draft_len, spec.drafts_in_step,
                                    on_preempt=self._on_preempt, verify_len=spec.verify_len,
                                    prefix_cache=self.prefix_cache)
         # Structured output needs the tokenizer: grammars are compiled against its vocabulary.
         self.grammars = (None if tokenizer is None else
                          Grammars(tokenizer, mc.vocab_size, mc.eos_token_ids))
-        graphdef, params = split_model(model, spec.draft_model, fused=tp is None,
-                                       scan_layers=config.scan_layers)
-        make_state = lambda: init_state(mc, num_slots=config.max_batch_size,
-                                        num_blocks=num_blocks, tokens_per_block=bs,
-                                        max_draft_len=spec.verify_len(D), worker=spec.worker,
-                                        suffix=spec.suffix, history_len=self.max_len,
-                                        mesh=None if tp is None else tp.mesh,
-                                        recurrent_commit=config.recurrent_commit)
-        if mc.is_hybrid:
-            log.info("recurrent state: %.1f KiB per request, %.2f MiB for %d slots (beside "
-                     "the K/V pool)", aux_bytes_per_slot(mc) / 1024,
-                     aux_bytes_per_slot(mc) * config.max_batch_size / 2**20,
-                     config.max_batch_size)
-        self.executor = Executor(graphdef, params, make_state, self.allocator, worker=spec.worker,
-                                 suffix=spec.suffix,
-                                 save_layers=spec.save_layers, blocks_per_seq=blocks_per_seq,
-                                 decode_buckets=config.decode_buckets,
-                                 prefill_chunk=config.prefill_chunk,
-                                 max_prefill_rows=config.max_prefill_rows, tp=tp,
-                                 grammars=self.grammars, stats=self.stats)
+        self.executor = Executor(model, spec, config, max_len=self.max_len,
+                                 blocks_per_seq=blocks_per_seq, num_blocks=num_blocks,
+                                 allocator=self.allocator, tp=tp, grammars=self.grammars,
+                                 stats=self.stats)
         self.bookkeeper = Bookkeeper(self.allocator, self.stats, spec.rewinds, self.gate,
-                                     self.recorder)
+                                     self.recorder, self.prefix_cache)
         self.outputs = OutputProcessor(mc.eos_token_ids, tokenizer, self.stats)
         self.overlap = config.overlap_scheduler
         self.requests: dict[int, Request] = {}
@@ -144,19 +110,7 @@ class Engine:
         return self.executor.state
 
     def snapshot(self) -> EngineSnapshot:
-        stats = self.stats
-        return EngineSnapshot(
-            running=len(self.running), waiting=len(self.waiting),
-            running_ids=tuple(r.request_id for r in self.running),
-            kv_blocks_free=self.allocator.num_free_blocks,
-            kv_blocks_total=self.allocator.total_blocks, num_steps=self.num_steps,
-            num_generated_tokens=stats.num_generated_tokens,
-            num_preemptions=stats.num_preemptions, num_failed_requests=stats.num_failed_requests,
-            prefix_cache_hit_rate=stats.prefix_cache_hit_rate,
-            prefix_cache_blocks=self.allocator.num_cached_blocks,
-            acceptance_length=stats.acceptance_length, acceptance_rate=stats.acceptance_rate,
-            acceptance_per_position=tuple(stats.acceptance_per_position),
-            draft_overhead=stats.draft_overhead)
+        return EngineSnapshot.of(self.stats, self.scheduler, self.allocator, self.num_steps)
 
     def draft_len_for(self, batch_size: int) -> int:
         """The runtime draft length for a generation batch of this size (0 = plain decoding)."""
@@ -164,11 +118,13 @@ class Engine:
             return 0
         return self.speculation.draft_len_for(batch_size)
 
-    def _overlaps(self, draft_len: int) -> bool:
+    def _overlaps(self, draft_len: int, rows: list[GenerationRow]) -> bool:
         """Whether a generation step of this draft length may be read one call late: its runs
-        come from the device, and speculation (if it drafts) supports the overlap scheduler."""
+        come from the device, speculation (if it drafts) supports the overlap scheduler, and
+        no row is constrained (a grammar's next masks need this step's tokens)."""
         return (self.overlap and runs_on_device(self.worker, draft_len, self.speculation.suffix)
-                and (draft_len == 0 or self.speculation.overlap))
+                and (draft_len == 0 or self.speculation.overlap)
+                and not any(r.request.grammar is not None for r in rows))
 
     # -- warm-up -----------------------------------------------------------------------------
 
@@ -185,9 +141,6 @@ class Engine:
     def warmup(self, progress: bool = True) -> None:
         """Compile every step shape serving can use, so serving itself never compiles."""
         self.executor.warmup(self.generation_shapes(), progress)
-        if self.speculation.suffix is not None:
-            self._start_history(self.executor.spare_slot, [])
-        self._start_penalties(self.executor.spare_slot, [], 0)
 
     # -- requests ----------------------------------------------------------------------------
 
@@ -233,7 +186,7 @@ class Engine:
         """
         start = time.perf_counter()
         self._advanced = {}
-        self._start_slots(self.scheduler.admit())
+        self.executor.start_slots(self.scheduler.admit())
         prefill = self.scheduler.schedule_prefill()
         rows, draft_len = self._schedule_generation()
         # Making room for generation rows may have preempted a request scheduled for a prompt
@@ -252,13 +205,8 @@ class Engine:
     def _run(self, prefill: list[tuple[Request, int]], rows: list[GenerationRow],
              draft_len: int) -> None:
         """Dispatch this iteration's steps and apply the results that are due."""
-        prefill_out = dispatched = drafts = None
-        if (rows and draft_len and self.grammars is not None
-                and runs_on_device(self.worker, draft_len, self.speculation.suffix)
-                and any(r.request.grammar is not None for r in rows)):
-            t0 = time.perf_counter()   # the drafts constrained rows verify, for their masks
-            drafts = self.executor.slot_drafts()
-            self.stats.mask_time += time.perf_counter() - t0
+        prefill_out = dispatched = None
+        drafts = self.executor.slot_drafts(rows, draft_len)
         if prefill:
             prefill_out, failed = self.executor.launch_prefill(prefill)
             self._fail_all(failed, "preparing its prompt-chunk row")
@@ -266,9 +214,7 @@ class Engine:
             dispatched, failed = self.executor.launch_generation(
                 rows, draft_len, self.speculation.verify_len(draft_len), drafts)
             self._fail_all(failed, "preparing its generation row")
-        # A constrained row's next masks need this step's tokens: its step is read at once.
-        overlap = self._overlaps(draft_len) and not any(r.request.grammar is not None
-                                                            for r in rows)
+        overlap = self._overlaps(draft_len, rows)
         previous = self.executor.take_inflight()
         self.executor.inflight = dispatched if overlap else None
         if previous is not None:  # read step N while step N+1 runs
@@ -277,27 +223,6 @@ class Engine:
             self._apply_generation(dispatched)
         if prefill:
             self._apply_prefill(prefill, prefill_out)
-
-    def _start_slots(self, admitted: list[Request]) -> None:
-        """Slot state built from a request's tokens that the steps do not rebuild: SA's token
-        history (prompt chunks record it, but tokens whose K/V came from the prefix cache pass
-        through no chunk) and a penalised request's token counts. One row per call: one
-        compile each, done at warm-up."""
-        for r in admitted:
-            if self.speculation.suffix is not None and r.num_computed:
-                self._start_history(r.slot, r.tokens(0, r.num_computed))
-            if r.params.penalized:
-                self._start_penalties(r.slot, r.all_ids, len(r.prompt_ids))
-
-    def _start_penalties(self, slot: int, tokens: list[int], prompt_len: int) -> None:
-        padded = np.zeros(self.max_len, np.int32)
-        padded[:len(tokens)] = tokens
-        self.executor.start_penalties(slot, padded, prompt_len, len(tokens))
-
-    def _start_history(self, slot: int, tokens: list[int]) -> None:
-        padded = np.zeros(self.executor.state.suffix.history.shape[1], np.int32)
-        padded[:len(tokens)] = tokens
-        self.executor.start_history(slot, padded, len(tokens))
 
     def _schedule_generation(self) -> tuple[list[GenerationRow], int]:
         """Rows whose newest token is pending, with their reservations, and the step's runtime
@@ -360,41 +285,10 @@ class Engine:
                 request.draft_tokens = []
 
     def _apply_prefill(self, rows: list[tuple[Request, int]], out) -> None:
-        tokens = np.asarray(out.tokens)
-        hidden = np.asarray(out.hidden_states) if self.recorder is not None else None
-        for i, (request, n) in enumerate(rows):
-            if request.status is not Status.RUNNING:
-                continue  # its row failed to prepare (or it was cancelled meanwhile)
-            try:
-                if hidden is not None:
-                    self.recorder.record(request, request.num_computed, hidden[:, i, :n])
-                if request.wants_prompt_logprobs:
-                    self._record_prompt_logprobs(request, out.prompt_logprobs, i, n)
-                request.num_computed += n
-                if self.prefix_cache is not None:
-                    self.prefix_cache.publish(request)
-                if request.num_computed == request.num_tokens:
-                    request.prefilled = True
-                    token = int(tokens[i])
-                    self._emit(request, [token], None if request.logprobs is None else
-                               logprob_entries(out.logprobs, i, [token],
-                                               request.params.logprobs))
-            except Exception as e:
-                self._fail(request, "settling its prompt chunk", e)
-
-    @staticmethod
-    def _record_prompt_logprobs(request: Request, out, row: int, n: int) -> None:
-        """Row j of a chunk starting at s gives the logprobs of token s + j + 1: keep those of
-        prompt tokens not yet recorded."""
-        start, P = request.num_computed, len(request.prompt_ids)
-        first = len(request.prompt_logprobs)          # the next prompt token without them
-        last = min(start + n, P - 1)                  # the last prompt token this chunk gives
-        if first > last or first < start + 1:
-            return
-        tokens = request.prompt_ids[first:last + 1]
-        entries = logprob_entries(out, row, tokens, request.params.prompt_logprobs,
-                                  start=first - start - 1)
-        request.prompt_logprobs.extend(entries)
+        advanced, failed = self.bookkeeper.apply_prefill(rows, out)
+        self._fail_all(failed, "settling its prompt chunk")
+        for request, tokens, logprobs in advanced:
+            self._emit(request, tokens, logprobs)
 
     def _emit(self, request: Request, tokens: list[int],
               logprobs: list[dict[int, float]] | None = None) -> None:

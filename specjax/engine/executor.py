@@ -13,51 +13,54 @@ from __future__ import annotations
 import atexit
 import logging
 import time
-from typing import Callable
-
 import jax
 import numpy as np
 
+from specjax.core.aux_state import aux_bytes_per_slot
 from specjax.core.batch import PrefillOutput, clear_row, empty_batch, set_row
 from specjax.core.penalties import start_penalties
 from specjax.core.sharding import TensorParallel
-from specjax.core.state import EngineState, Params
+from specjax.core.state import init_state, split_model
 from specjax.core.steps import make_generation_step, make_prefill_step, runs_on_device
-from specjax.core.suffix import SuffixSpec, start_history
-from specjax.core.worker import DraftWorker
+from specjax.core.suffix import start_history
 from specjax.engine.allocator import BlockAllocator
 from specjax.engine.bookkeeper import DispatchedStep, GenerationRow
+from specjax.engine.config import EngineConfig, bucket, power_of_two_buckets
 from specjax.engine.distributed import Channel, is_leader
 from specjax.engine.grammar import Grammars, mask_width
 from specjax.engine.progress import tqdm
 from specjax.engine.request import Request
 from specjax.engine.stats import EngineStats
+from specjax.models.llama import Llama
+from specjax.speculative.build import Speculation
 
 log = logging.getLogger("specjax.engine")
 Failed = list[tuple[Request, Exception]]   # rows that could not be prepared, with the error
 
 
-def power_of_two_buckets(limit: int) -> tuple[int, ...]:
-    """1, 2, 4, ... up to and including `limit`."""
-    buckets, b = [], 1
-    while b < limit:
-        buckets.append(b)
-        b *= 2
-    return tuple(buckets + [limit])
-
-
-def bucket(n: int, buckets: tuple[int, ...]) -> int:
-    return next(b for b in buckets if b >= n)
-
-
 class Executor:
-    def __init__(self, graphdef, params: Params, make_state: Callable[[], EngineState],
-                 allocator: BlockAllocator, *, worker: DraftWorker | None,
-                 save_layers: tuple[int, ...], blocks_per_seq: int,
-                 decode_buckets: tuple[int, ...], prefill_chunk: int, max_prefill_rows: int,
-                 suffix: SuffixSpec | None = None, tp: TensorParallel | None = None,
+    def __init__(self, model: Llama, speculation: Speculation, config: EngineConfig, *,
+                 max_len: int, blocks_per_seq: int, num_blocks: int,
+                 allocator: BlockAllocator, tp: TensorParallel | None = None,
                  grammars: Grammars | None = None, stats: EngineStats | None = None):
+        spec, mc = speculation, model.config
+        worker, suffix, save_layers = spec.worker, spec.suffix, spec.save_layers
+        graphdef, params = split_model(model, spec.draft_model, fused=tp is None,
+                                       scan_layers=config.scan_layers)
+        make_state = lambda: init_state(mc, num_slots=config.max_batch_size,
+                                        num_blocks=num_blocks,
+                                        tokens_per_block=config.tokens_per_block,
+                                        max_draft_len=spec.verify_len(spec.max_draft_len),
+                                        worker=worker, suffix=suffix, history_len=max_len,
+                                        mesh=None if tp is None else tp.mesh,
+                                        recurrent_commit=config.recurrent_commit)
+        if mc.is_hybrid:
+            log.info("recurrent state: %.1f KiB per request, %.2f MiB for %d slots (beside "
+                     "the K/V pool)", aux_bytes_per_slot(mc) / 1024,
+                     aux_bytes_per_slot(mc) * config.max_batch_size / 2**20,
+                     config.max_batch_size)
         self.tp = tp
+        self.max_len = max_len  # the longest request: a slot start's token buffer
         self.stats = stats
         self.worker, self.suffix, self.grammars = worker, suffix, grammars
         if tp is None:
@@ -93,9 +96,9 @@ class Executor:
                 atexit.register(self.close)
         self.blocks_per_seq = blocks_per_seq
         self.spare_slot = state.slots.spare  # the slot padded rows write to
-        self.prefill_chunk = prefill_chunk
-        self.decode_buckets = decode_buckets
-        self.prefill_buckets = power_of_two_buckets(max_prefill_rows)
+        self.prefill_chunk = config.prefill_chunk
+        self.decode_buckets = config.decode_buckets
+        self.prefill_buckets = power_of_two_buckets(config.max_prefill_rows)
         self.inflight: DispatchedStep | None = None
         self._step_id = 0
 
@@ -124,7 +127,7 @@ class Executor:
         """[newest token, host drafts] per row (steps that read runs from the device take them
         from slot state); each request remembers this step's reservation and largest advance.
         `verify_len`: drafts verified after the newest token (a tree's nodes; default
-        `draft_len`); `slot_drafts`: constrained rows' device drafts (`slot_drafts()`, read
+        `draft_len`); `slot_drafts`: constrained rows' device drafts (`slot_drafts`, read
         before the step's prompt chunks). Returns the step and the rows that could not be
         prepared."""
         verify_len = draft_len if verify_len is None else verify_len
@@ -173,10 +176,23 @@ class Executor:
             leaf.copy_to_host_async()
         return out, failed
 
-    def slot_drafts(self) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-        """The drafts the device holds for the next generation step: slot state's runs
-        `[S+1, D_max+1]`, draft counts and (trees) parents, on the host. Read before this
-        iteration's prompt chunks are dispatched, so it waits for no step."""
+    def slot_drafts(self, rows: list[GenerationRow], draft_len: int
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None] | None:
+        """The drafts the device holds for the next generation step, where a constrained row
+        needs them for its masks (None where no row does): slot state's runs `[S+1, D_max+1]`,
+        draft counts and (trees) parents, on the host. Read before this iteration's prompt
+        chunks are dispatched, so it waits for no step."""
+        if not (draft_len and self.grammars is not None
+                and runs_on_device(self.worker, draft_len, self.suffix)
+                and any(r.request.grammar is not None for r in rows)):
+            return None
+        t0 = time.perf_counter()
+        drafts = self._read_slot_drafts()
+        if self.stats is not None:
+            self.stats.mask_time += time.perf_counter() - t0
+        return drafts
+
+    def _read_slot_drafts(self):
         slots = self.state.slots
         read = lambda x: np.asarray(x.addressable_data(0))
         return (read(slots.run), read(slots.num_drafts),
@@ -197,7 +213,7 @@ class Executor:
         device = (kind == "generation" and D > 0
                   and runs_on_device(self.worker, D, self.suffix))
         if device:
-            run, num, parents = slot_drafts or self.slot_drafts()
+            run, num, parents = slot_drafts or self._read_slot_drafts()
         chains, errors = [], []
         for i, request in rows:
             try:
@@ -249,6 +265,15 @@ class Executor:
             self.channel.send((op, args))
         return getattr(self, f"_{op}")(*args)
 
+    def drive(self, fn):
+        """Hand the device state to code outside the engine that calls steps of its own (the
+        benches' timing of the bare step): `fn(state) -> (state, result)`, and the state it
+        returns is the engine's from then on. One process only: others could not follow."""
+        if self.channel is not None:
+            raise RuntimeError("drive() runs on a single process; this job has several")
+        self.state, result = fn(self.state)
+        return result
+
     def _step(self, kind: str, batch):
         self.state, out = self.steps[kind](self.params, self.state, self._place(batch))
         return out
@@ -259,11 +284,26 @@ class Executor:
 
     # -- slot state the steps do not rebuild -------------------------------------------------
 
-    def start_penalties(self, slot: int, tokens: np.ndarray, prompt_len: int,
-                        num_tokens: int) -> None:
-        """A penalised request (re)starting in `slot`: its first `num_tokens` of `tokens` `[H]`
-        (zero-padded) are its prompt (the first `prompt_len`), then what it generated."""
-        self._update("start_penalties", slot, tokens, prompt_len, num_tokens)
+    def start_slots(self, admitted: list[Request]) -> None:
+        """Slot state built from a request's tokens that the steps do not rebuild: SA's token
+        history (prompt chunks record it, but tokens whose K/V came from the prefix cache pass
+        through no chunk) and a penalised request's token counts. One row per call, its
+        tokens padded to the longest request: one compile each, done at warm-up."""
+        for r in admitted:
+            if self.suffix is not None and r.num_computed:
+                self.start_history(r.slot, r.tokens(0, r.num_computed))
+            if r.params.penalized:
+                self.start_penalties(r.slot, r.all_ids, len(r.prompt_ids))
+
+    def _padded(self, tokens: list[int]) -> np.ndarray:
+        padded = np.zeros(self.max_len, np.int32)
+        padded[:len(tokens)] = tokens
+        return padded
+
+    def start_penalties(self, slot: int, tokens: list[int], prompt_len: int) -> None:
+        """A penalised request (re)starting in `slot`: `tokens` are its prompt (the first
+        `prompt_len`), then what it generated."""
+        self._update("start_penalties", slot, self._padded(tokens), prompt_len, len(tokens))
 
     def _start_penalties(self, slot, tokens, prompt_len, num_tokens) -> None:
         state = self.state
@@ -272,10 +312,10 @@ class Executor:
         self.state = state.replace(penalties=self._pinned(start_penalties(
             state.penalties, rows, tokens, lens[0], lens[1])))
 
-    def start_history(self, slot: int, tokens: np.ndarray, count: int) -> None:
-        """SA's token history of a request starting in `slot` whose first `count` tokens
-        (`tokens` `[H]`, zero-padded) pass through no prompt chunk (prefix cache)."""
-        self._update("start_history", slot, tokens, count)
+    def start_history(self, slot: int, tokens: list[int]) -> None:
+        """SA's token history of a request starting in `slot` whose `tokens` pass through no
+        prompt chunk (prefix cache)."""
+        self._update("start_history", slot, self._padded(tokens), len(tokens))
 
     def _start_history(self, slot, tokens, count) -> None:
         state = self.state
@@ -345,3 +385,6 @@ class Executor:
             batch = empty_batch(rows, width, self.blocks_per_seq, self.spare_slot,
                                 self.mask_shape(width, kind))
             jax.block_until_ready(self._update("step", kind, batch))
+        if self.suffix is not None:
+            self.start_history(self.spare_slot, [])
+        self.start_penalties(self.spare_slot, [], 0)

@@ -123,3 +123,28 @@ def test_a_batch_of_the_wrong_shape_is_refused_by_name():
                        ("block_tables", np.zeros((2,), np.int32))):
         with pytest.raises(ValueError, match=f"StepBatch.{field} has shape"):
             ex.steps["generation"].lower(ex.params, ex.state, good.replace(**{field: bad}))
+
+
+def test_step_outputs_of_the_wrong_shape_are_refused():
+    """The steps assert their outputs' shapes while traced (`GenerationOutput.check`,
+    `PrefillOutput.check`): an output that disagrees with its batch is an error, not a
+    silently misread row."""
+    from specjax.core.batch import GenerationOutput, PrefillOutput
+    from specjax.core.logits import logprobs_of
+
+    B, D, V = 3, 2, 16
+    tokens = jnp.zeros((B, D + 1), jnp.int32)
+    lens = jnp.ones((B,), jnp.int32)
+    drafts = jnp.zeros((B, D), jnp.int32)
+    lp = logprobs_of(jnp.zeros((B, D + 1, V)), tokens)
+    GenerationOutput(tokens, lens, drafts, lens, None, lp).check(B, D)
+    for bad in (GenerationOutput(tokens[:, :D], lens, drafts, lens),
+                GenerationOutput(tokens, lens[:2], drafts, lens),
+                GenerationOutput(tokens, lens, drafts, lens.astype(jnp.float32)),
+                GenerationOutput(tokens, lens, drafts, lens, None, logprobs_of(
+                    jnp.zeros((B, D, V)), tokens[:, :D]))):
+        with pytest.raises(AssertionError):
+            bad.check(B, D)
+    PrefillOutput(lens, jnp.zeros((2, B, 4, 8))).check(B, 4)
+    with pytest.raises(AssertionError):
+        PrefillOutput(lens, jnp.zeros((2, B, 5, 8))).check(B, 4)

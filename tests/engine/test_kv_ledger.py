@@ -71,7 +71,7 @@ def test_randomized_kv_ledger_with_overlap(setup, tiny_model, perm):
     llm = specjax.LLM(target, speculative_config=spec, max_batch_size=4, tokens_per_block=4,
                       prefill_chunk=8, num_kv_blocks=16, max_model_len=MAX_LEN, progress=False)
     engine = llm.engine
-    assert engine._overlaps(D)
+    assert engine._overlaps(D, [])
     rng = np.random.default_rng(0)
     expected, finished = {}, {}
     cancelled_in_flight = steps_with_unread_rows = 0
