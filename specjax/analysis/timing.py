@@ -98,3 +98,37 @@ def time_generation_steps(engine: Engine, batch_size: int, widths: Sequence[int]
         return state.replace(draft=engine_state.draft), best
 
     return ex.drive(timed)
+
+
+def copy_bandwidth(megabytes: int = 256, repeats: int = 10) -> float:
+    """Bytes per second a memory-to-memory copy moves where the model's weights live (read +
+    write, the STREAM convention), the best of `repeats`: the physical floor a decode step's
+    weight reads run against. On a CPU a numpy copy through host memory; on an accelerator a
+    jitted elementwise pass through its own memory (HBM), four times larger. The buffer is
+    far larger than any cache."""
+    if jax.default_backend() == "cpu":
+        src = np.ones(megabytes * 2**20 // 4, np.float32)
+        dst = np.empty_like(src)
+        copy = lambda: np.copyto(dst, src)
+    else:
+        src = jax.numpy.ones(4 * megabytes * 2**20 // 4, np.float32)
+        add = jax.jit(lambda x: x + 1)  # reads and writes every byte once
+        copy = lambda: add(src).block_until_ready()
+        copy()  # compile
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        copy()
+        best = min(best, time.perf_counter() - start)
+    return 2 * src.nbytes / best
+
+
+def decode_weight_bytes(engine: Engine) -> int:
+    """Bytes of target weights one decode step must read: every parameter but the embedding
+    table, of which a step reads only its rows' entries (a tied table is read whole, as the LM
+    head)."""
+    params = engine.executor.params.target
+    total = sum(x.nbytes for x in jax.tree.leaves(params))
+    if not engine.model_config.tie_word_embeddings:
+        total -= params["embed"].nbytes
+    return total
