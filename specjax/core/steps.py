@@ -246,16 +246,16 @@ def make_generation_step(graphdef: nnx.GraphDef, worker: DraftWorker | None = No
             batch = runs_from_slots(batch, state.slots, W)
         model = nnx.merge(graphdef, params.target)
         if tree is None:
-            D, layout, parents = W, None, None
+            D, layout = W, None
             batch = clip_to_mask(clip_to_room(batch))
             context = chain_context(W + 1)
         else:
             # A node the grammar forbids is never accepted (its parent's masked token is
             # never it), so a tree needs its nodes' masks but no cut.
             D = tree.depth_for(W)
-            parents = state.slots.tree_parents[batch.slots, :W]
+            verified_parents = state.slots.tree_parents[batch.slots, :W]
             room = batch.max_lens - batch.start_pos - 2  # the deepest node that still fits
-            layout = tree_layout(parents, jnp.maximum(batch.query_lens - 1, 0), room, D)
+            layout = tree_layout(verified_parents, jnp.maximum(batch.query_lens - 1, 0), room, D)
             context = tree_context(layout.ancestors)
         # D = 0 (plain decoding) commits every position it runs: no depth to choose.
         runs = aux_state.begin(state.aux, batch, verify=D > 0)
@@ -271,7 +271,7 @@ def make_generation_step(graphdef: nnx.GraphDef, worker: DraftWorker | None = No
             positions = batch.start_pos[:, None] + layout.depths
             targets = target_tokens(logits, positions, batch.temperature, batch.top_k,
                                     batch.top_p, batch.min_p, batch.seeds)
-            new_tokens, lens, path = tree_accept(batch.tokens, parents, layout, targets, D)
+            new_tokens, lens, path = tree_accept(batch.tokens, verified_parents, layout, targets, D)
             kv_target = relocate_path(kv_target, batch.start_pos, batch.block_tables, path,
                                       jnp.where(real, lens - 1, 0))
             # The worker reads the accepted rows' hidden states in sequence order, as after
