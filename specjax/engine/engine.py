@@ -73,16 +73,20 @@ class Engine:
                                    config.max_prefill_rows, spec.max_draft_len, spec.drafts_in_step,
                                    on_preempt=self._on_preempt, verify_len=spec.verify_len,
                                    prefix_cache=self.prefix_cache)
+        # Generation ends at the model's end-of-text ids and at every end-of-turn id its
+        # tokenizer declares (a chat model's <|im_end|>, <|eot_id|>).
+        self.eos_token_ids = tuple(dict.fromkeys(
+            mc.eos_token_ids + (tokenizer.eos_token_ids if tokenizer is not None else ())))
         # Structured output needs the tokenizer: grammars are compiled against its vocabulary.
         self.grammars = (None if tokenizer is None else
-                         Grammars(tokenizer, mc.vocab_size, mc.eos_token_ids))
+                         Grammars(tokenizer, mc.vocab_size, self.eos_token_ids))
         self.executor = Executor(model, spec, config, max_len=self.max_len,
                                  blocks_per_seq=blocks_per_seq, num_blocks=num_blocks,
                                  allocator=self.allocator, tp=tp, grammars=self.grammars,
                                  stats=self.stats)
         self.bookkeeper = Bookkeeper(self.allocator, self.stats, spec.rewinds, self.gate,
                                      self.recorder, self.prefix_cache)
-        self.outputs = OutputProcessor(mc.eos_token_ids, tokenizer, self.stats)
+        self.outputs = OutputProcessor(self.eos_token_ids, tokenizer, self.stats)
         self.overlap = config.overlap_scheduler
         self.requests: dict[int, Request] = {}
         self._advanced: dict[int, Request] = {}

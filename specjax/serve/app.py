@@ -300,7 +300,7 @@ def create_app(llm: LLM, settings: ServerSettings = ServerSettings(),
     app's lifespan; `app.state.server` exposes it (and the metrics) to tests and tools. Run it
     with `http_server.build_server`, which adds the header timeout and bounded shutdown."""
     if chat_template is None:
-        chat_template = ChatTemplate.from_folder(llm.model_path)
+        chat_template = ChatTemplate.from_tokenizer(llm.tokenizer)
     server = Server(llm, settings, chat_template)
 
     @contextlib.asynccontextmanager

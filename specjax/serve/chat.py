@@ -1,38 +1,31 @@
 """Chat messages -> one prompt string.
 
-A checkpoint whose `tokenizer_config.json` has a `chat_template` is rendered with it (jinja2 in
-a sandbox, the way Hugging Face does: `messages`, `add_generation_prompt`, `bos_token`,
-`eos_token`, `raise_exception`). Otherwise the plain default below is used: one
+A model whose tokenizer has a chat template (`Tokenizer.chat_template`: a folder's
+`tokenizer_config.json` or `chat_template.jinja`, a GGUF's `tokenizer.chat_template`) is rendered
+with it (jinja2 in a sandbox, the way Hugging Face does: `messages`, `add_generation_prompt`,
+`bos_token`, `eos_token`, `raise_exception`). Otherwise the plain default below is used: one
 "<role>: <content>" line per message, then "assistant: " for the model to continue.
 """
 from __future__ import annotations
 
-import json
-import os
-from pathlib import Path
-from typing import Any, Sequence
+from typing import Sequence
 
+from specjax.tokenizer import Tokenizer
 from specjax.validation import InvalidArgument, shown
 
 DEFAULT_TEMPLATE_DOC = ('one "<role>: <content>" line per message, then "assistant: " '
                         "(used when the checkpoint has no chat_template)")
 
 
-def _token_text(value: Any) -> str:
-    """tokenizer_config stores special tokens as strings or as AddedToken dicts."""
-    if isinstance(value, dict):
-        return str(value.get("content", ""))
-    return value if isinstance(value, str) else ""
-
-
 class ChatTemplate:
     """Renders chat messages; `add_bos` says whether the encoder should prepend BOS itself
-    (the default template: yes; a checkpoint template writes its own special tokens)."""
+    (the default template: as the tokenizer says, None; a model's template writes its own
+    special tokens: False)."""
 
     def __init__(self, source: str | None = None, bos_token: str = "", eos_token: str = ""):
         self.source = source
         self.bos_token, self.eos_token = bos_token, eos_token
-        self.add_bos = source is None
+        self.add_bos = None if source is None else False
         self._template = None
         if source is not None:
             from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -41,20 +34,13 @@ class ChatTemplate:
             self._template = env.from_string(source)
 
     @classmethod
-    def from_folder(cls, folder: str | os.PathLike | None) -> "ChatTemplate":
-        """The folder's template if its tokenizer_config.json has one, else the default."""
-        path = Path(folder) / "tokenizer_config.json" if folder is not None else None
-        if path is None or not path.exists():
+    def from_tokenizer(cls, tokenizer: Tokenizer | None) -> "ChatTemplate":
+        """The tokenizer's template if it has one, else the default."""
+        if tokenizer is None or tokenizer.chat_template is None:
             return cls()
-        config = json.loads(path.read_text())
-        source = config.get("chat_template")
-        if isinstance(source, list):  # several named templates: take "default"
-            named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
-            source = named.get("default")
-        if not isinstance(source, str):
-            return cls()
-        return cls(source, _token_text(config.get("bos_token")),
-                   _token_text(config.get("eos_token")))
+        eos = tokenizer.eos_token_ids[0] if tokenizer.eos_token_ids else None
+        return cls(tokenizer.chat_template, tokenizer.token_text(tokenizer.bos_token_id),
+                   tokenizer.token_text(eos))
 
     def render(self, messages: Sequence[dict[str, str]]) -> str:
         """`messages` are {"role", "content"} dicts with string content."""

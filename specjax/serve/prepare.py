@@ -77,7 +77,7 @@ def check_text(param: str, text: str) -> None:
                                      f"{e.start}") from None
 
 
-def encode_text(tokenizer: Tokenizer, text: str, add_bos: bool) -> list[int]:
+def encode_text(tokenizer: Tokenizer, text: str, add_bos: bool | None) -> list[int]:
     """The one call that tokenises request text (`Tokenizer.encode` lets other threads run
     meanwhile); a seam for tests."""
     return tokenizer.encode(text, add_bos=add_bos)
@@ -151,7 +151,7 @@ class RequestPreparer:
         """One prompt of the request: text or token ids."""
         if isinstance(prompt, str):
             check_text("prompt", prompt)
-            return encode_text(self.tokenizer, prompt, add_bos=True)
+            return encode_text(self.tokenizer, prompt, add_bos=None)
         return list(prompt)
 
     def chat_prompt(self, body: ChatCompletionRequest) -> list[int]:

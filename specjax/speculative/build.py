@@ -26,10 +26,10 @@ from flax import nnx
 from specjax.core.suffix import SuffixSpec
 from specjax.core.tree import TreeShape
 from specjax.core.worker import DraftWorker, tree_of
-from specjax.models import (Llama, load_dflash_head, load_eagle3_head,
-                            load_hf_checkpoint, load_mtp_heads, read_mask_token)
+from specjax.models import (Llama, load_dflash_head, load_eagle3_head, load_mtp_heads,
+                            read_mask_token)
 from specjax.models.config import ModelConfig
-from specjax.models.registry import resolve_model_path
+from specjax.models.registry import load_model, resolve_model_path
 from specjax.speculative.config import (AutoConfig, DFlashConfig, DraftTargetConfig, EagleConfig,
                                         MTPConfig, NGramConfig, PARDConfig, SAConfig,
                                         SaveHiddenStatesConfig, SpeculativeConfig,
@@ -175,7 +175,7 @@ def load_draft_model(config: SpeculativeConfig, target: Llama, dtype: str | None
     dtype = dtype or target.config.dtype
     if isinstance(config, DraftTargetConfig):
         if not isinstance(draft, Llama):
-            draft = load_hf_checkpoint(resolve_model_path(draft), dtype=dtype)
+            draft = load_model(resolve_model_path(draft), dtype=dtype)
         if draft.config.vocab_size != target.config.vocab_size:
             raise ValueError(f"speculative_model vocab_size {draft.config.vocab_size} differs from "
                              f"the target's {target.config.vocab_size}: draft-target needs one "
@@ -183,7 +183,7 @@ def load_draft_model(config: SpeculativeConfig, target: Llama, dtype: str | None
         return draft
     if isinstance(config, PARDConfig):
         if not isinstance(draft, Llama):
-            draft = load_hf_checkpoint(resolve_model_path(draft), dtype=dtype)
+            draft = load_model(resolve_model_path(draft), dtype=dtype)
         V, Vd = target.config.vocab_size, draft.config.vocab_size
         if Vd < V:
             raise ValueError(f"the PARD model's vocab_size {Vd} is smaller than the target's {V}: "

@@ -1,0 +1,201 @@
+"""GGUF files: a tiny one written here (every supported tensor type, a byte-level BPE tokenizer
+in its metadata), loaded and compared with transformers' own GGUF loader (an independent
+dequantizer and q/k un-permutation) and with the weights it was written from."""
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from specjax.models import Llama, ModelConfig
+from specjax.models.checkpoint_io import CheckpointError
+from specjax.models.gguf_checkpoint import (GGUFFile, TENSOR_TYPES, gguf_metadata, gguf_tensors,
+                                            is_gguf, load_gguf, write_gguf)
+from specjax.models.registry import BUNDLED_TARGET, CHECKPOINTS_DIR
+from specjax.tokenizer import Tokenizer
+
+gguf = pytest.importorskip("gguf")
+
+# K-quants need rows of 256: hidden and FFN sizes are multiples of it.
+CONFIG = ModelConfig(vocab_size=4096, hidden_size=256, intermediate_size=512, num_layers=2,
+                     num_heads=4, num_kv_heads=2, head_dim=64, max_position_embeddings=256,
+                     rope_theta=100000.0, rms_norm_eps=1e-5, bos_token_id=0, eos_token_id=0)
+# Every supported type on some weight; the q/k rows of both layers use types that keep their
+# values close enough that a wrong un-permutation shows in the logits.
+TYPES = {"token_embd.weight": "Q8_0", "output.weight": "F16",
+         "blk.0.attn_q.weight": "Q8_0", "blk.0.attn_k.weight": "Q4_0",
+         "blk.0.attn_v.weight": "Q4_1", "blk.0.attn_output.weight": "BF16",
+         "blk.0.ffn_gate.weight": "Q4_K", "blk.0.ffn_up.weight": "Q5_K",
+         "blk.0.ffn_down.weight": "Q6_K",
+         "blk.1.attn_q.weight": "F16", "blk.1.attn_k.weight": "BF16",
+         "blk.1.attn_v.weight": "Q8_0", "blk.1.attn_output.weight": "Q4_1",
+         "blk.1.ffn_gate.weight": "Q6_K", "blk.1.ffn_up.weight": "Q4_K",
+         "blk.1.ffn_down.weight": "Q5_K"}
+assert set(TYPES.values()) | {"F32"} == set(TENSOR_TYPES)
+# Where each K-quant block keeps its float16 scales (bytes), the rest being quants and packed
+# sub-block scales any byte value is valid for.
+K_BLOCKS = {"Q4_K": (144, (0, 2)), "Q5_K": (176, (0, 2)), "Q6_K": (210, (208,))}
+PROMPTS = np.random.default_rng(1).integers(0, CONFIG.vocab_size, size=(2, 11))
+
+
+def k_quant_blocks(shape, kind: str, rng) -> np.ndarray:
+    """Random blocks of a K-quant type (the `gguf` package cannot quantize to them), their
+    scales small enough for sane activations."""
+    size, scale_at = K_BLOCKS[kind]
+    blocks = rng.integers(0, 256, size=(shape[0], shape[1] // 256, size), dtype=np.uint8)
+    for at in scale_at:
+        scales = rng.uniform(0.0005, 0.002, size=blocks.shape[:2]).astype(np.float16)
+        blocks[..., at:at + 2] = scales.view(np.uint8).reshape(*blocks.shape[:2], 2)
+    return blocks.reshape(shape[0], -1)
+
+
+def tokenizer_metadata() -> dict:
+    """The bundled byte-level BPE tokenizer as GGUF tokenizer keys."""
+    spec = json.loads((CHECKPOINTS_DIR / BUNDLED_TARGET / "tokenizer.json").read_text())
+    vocab = spec["model"]["vocab"]
+    tokens = sorted(vocab, key=vocab.get)
+    special = {t["content"] for t in spec["added_tokens"] if t["special"]}
+    merges = [" ".join(m) if isinstance(m, list) else m for m in spec["model"]["merges"]]
+    return {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "gpt2",
+            "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.merges": merges,
+            "tokenizer.ggml.token_type": [3 if t in special else 1 for t in tokens],
+            "tokenizer.ggml.bos_token_id": 0, "tokenizer.ggml.eos_token_id": 0,
+            "tokenizer.ggml.add_bos_token": False,
+            "tokenizer.chat_template": "{% for m in messages %}{{ m['content'] }}<|endoftext|>"
+                                       "{% endfor %}"}
+
+
+@pytest.fixture(scope="module")
+def written(tmp_path_factory):
+    """(path, the Llama it was written from, the file's tensors dequantized)."""
+    model = Llama(CONFIG, rngs=nnx.Rngs(3))
+    rng = np.random.default_rng(4)
+    tensors = gguf_tensors(model)
+    for name, kind in TYPES.items():
+        if kind in K_BLOCKS:
+            tensors[name] = k_quant_blocks(tensors[name].shape, kind, rng)
+    path = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
+    write_gguf(path, {**gguf_metadata(CONFIG), **tokenizer_metadata()}, tensors, TYPES)
+    return path, model
+
+
+def test_file_holds_each_type_as_written(written):
+    path, _ = written
+    file = GGUFFile(path)
+    assert is_gguf(path) and not is_gguf(path.parent)
+    for name, kind in TYPES.items():
+        assert file.tensors[name][0].name == kind, name
+    assert file.meta["llama.attention.head_count_kv"] == CONFIG.num_kv_heads
+    assert file.meta["tokenizer.ggml.tokens"][:2] == tokenizer_metadata()["tokenizer.ggml.tokens"][:2]
+
+
+def test_unquantized_weights_come_back_exactly(written):
+    """Float weights round-trip bit for bit: the q/k permutation is undone, the layout is
+    ours, float16 is exact where the values fit."""
+    path, model = written
+    loaded = load_gguf(path)
+    assert loaded.config.replace(tie_word_embeddings=False) == CONFIG.replace(
+        tie_word_embeddings=False, eos_token_id=0)
+    # blk.1.attn_q was stored as F16, blk.1.attn_k as BF16: compare at those precisions.
+    q = np.asarray(model.layer_params()["q_proj"][1], np.float32)
+    np.testing.assert_array_equal(np.asarray(loaded.layer_params()["q_proj"][1]),
+                                  q.astype(np.float16).astype(np.float32))
+    k = jnp.asarray(model.layer_params()["k_proj"][1]).astype(jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(loaded.layer_params()["k_proj"][1]),
+                                  np.asarray(k.astype(jnp.float32)))
+    np.testing.assert_array_equal(np.asarray(loaded.layer_params()["input_norm"]),
+                                  np.asarray(model.layer_params()["input_norm"]))
+
+
+@pytest.fixture(scope="module")
+def transformers_model(written):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")  # transformers' GGUF loader needs it
+    path, _ = written
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32), torch
+
+
+def test_logits_match_transformers_gguf_loader(written, transformers_model):
+    hf, torch = transformers_model
+    path, _ = written
+    model = load_gguf(path, dtype="float32")
+    logits, _ = model.forward(jnp.asarray(PROMPTS, jnp.int32))
+    with torch.no_grad():
+        expected = hf(torch.tensor(PROMPTS)).logits.numpy()
+    err = float(np.abs(np.asarray(logits) - expected).max())
+    print(f"max |logit diff| vs transformers' GGUF loader: {err:.2e}")
+    assert np.abs(expected).max() > 0.5  # the K-quant layers left the logits alive
+    assert err <= 1e-4
+
+
+def test_bfloat16_load_is_the_float32_weights_rounded(written):
+    path, _ = written
+    f32, bf16 = load_gguf(path), load_gguf(path, dtype="bfloat16")
+    assert bf16.config.dtype == "bfloat16"
+    np.testing.assert_array_equal(
+        np.asarray(bf16.layer_params()["gate_proj"], np.float32),
+        np.asarray(jnp.asarray(f32.layer_params()["gate_proj"]).astype(jnp.bfloat16),
+                   np.float32))
+
+
+def test_tokenizer_matches_transformers_and_the_folder(written):
+    transformers = pytest.importorskip("transformers")
+    path, _ = written
+    ours = Tokenizer.from_gguf(path)
+    theirs = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    folder = Tokenizer.from_folder(CHECKPOINTS_DIR / BUNDLED_TARGET)
+    texts = ["def f(x):\n    return x + 1\n", "  two  spaces\tand tab", "naïve café 😀",
+             "import os<|endoftext|>print(1)", ""]
+    for text in texts:
+        ids = ours.encode(text)
+        assert ids == theirs.encode(text, add_special_tokens=False), text
+        assert ids == folder.encode(text, add_bos=False), text
+        assert ours.decode(ids, skip_special_tokens=False) == text
+    # The file says no BOS; its template's end-of-turn token (also EOS here) ends generation.
+    assert not ours.add_bos_token and ours.encode("x")[0] != 0
+    assert ours.eos_token_ids == (0,)
+    assert ours.chat_template.startswith("{% for m in messages %}")
+
+
+def test_sentencepiece_vocabulary_without_merges(tmp_path):
+    """A "llama" (SentencePiece) vocabulary: merges ranked by the pieces' scores, bytes
+    falling back to <0x..> tokens, BOS added by default, as transformers builds it."""
+    transformers = pytest.importorskip("transformers")
+    pieces = ["\u2581", "h", "e", "l", "o", "w", "r", "d", "he", "ll", "llo", "hello",
+              "\u2581hello", "\u2581w", "or", "\u2581wor", "ld", "\u2581world"]
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + pieces
+    scores = [0.0] * 259 + [-float(i) for i in range(len(pieces))][::-1]
+    types = [2, 3, 3] + [6] * 256 + [1] * len(pieces)
+    meta = {**gguf_metadata(CONFIG.replace(vocab_size=len(tokens))),
+            "tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": tokens,
+            "tokenizer.ggml.scores": scores, "tokenizer.ggml.token_type": types,
+            "tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2,
+            "tokenizer.ggml.unknown_token_id": 0}
+    path = write_gguf(tmp_path / "spm.gguf", meta, {})
+    ours = Tokenizer.from_gguf(path)
+    theirs = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
+    for text in ["hello world", "hello  world", "héllo", "world hello"]:
+        ids = ours.encode(text)
+        assert ids[0] == 1 and ours.add_bos_token
+        assert ids == theirs.encode(text), text
+        assert ours.decode(ids) == text
+
+
+def test_unsupported_architecture_and_tensor_type_are_named(tmp_path, written):
+    meta = {**gguf_metadata(CONFIG), **tokenizer_metadata()}
+    path = write_gguf(tmp_path / "neox.gguf", {**meta, "general.architecture": "gptneox"}, {})
+    with pytest.raises(CheckpointError, match="architecture 'gptneox' is not supported"):
+        load_gguf(path)
+    _, model = written
+    tensors = gguf_tensors(model)
+    path = write_gguf(tmp_path / "q5.gguf", meta, tensors, {**TYPES,
+                      **{name: "F32" for name, kind in TYPES.items() if kind in K_BLOCKS},
+                      "blk.0.attn_v.weight": "Q5_0"})
+    with pytest.raises(CheckpointError, match="'blk.0.attn_v.weight' has type Q5_0"):
+        load_gguf(path)
+    (tmp_path / "junk.gguf").write_bytes(b"GGUF\x07\x00\x00\x00")
+    with pytest.raises(CheckpointError, match="not a readable GGUF file"):
+        load_gguf(tmp_path / "junk.gguf")
