@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 
+import jax
+import numpy as np
 from jax.sharding import Mesh
 
 from specjax.core.recurrent import check_commit_mode
@@ -57,18 +60,53 @@ def bucket(n: int, buckets: tuple[int, ...]) -> int:
     return next(b for b in buckets if b >= n)
 
 
-def kv_sizing(config: EngineConfig, speculation, max_len: int) -> tuple[int, int]:
-    """(blocks per request, blocks in the pool): the longest KV ledger a request can reach --
-    its context, plus what a generation step may reserve past its newest token -- and by
-    default room for max_batch_size such requests and the null block."""
+# The default pool's room per request: what most requests use, not what one may reach.
+TYPICAL_CONTEXT = 2048
+
+
+def free_memory(device=None) -> int | None:
+    """Bytes free on `device` (default: JAX's first) now: an accelerator's allocator limit
+    less what it holds, the host's available memory for the CPU; None when nothing says."""
+    device = device or jax.devices()[0]
+    if device.platform != "cpu":
+        stats = device.memory_stats() or {}
+        if "bytes_limit" in stats:
+            return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+        return None
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):  # not Linux
+        return None
+
+
+def kv_sizing(config: EngineConfig, speculation, max_len: int, mc: ModelConfig | None = None,
+              free: int | None = None) -> tuple[int, int]:
+    """(blocks per request, blocks in the pool).
+
+    A request's ledger reaches its context plus what a generation step may reserve past its
+    newest token. The pool, unless `num_kv_blocks` says: room for `max_batch_size` requests of
+    min(max_model_len, TYPICAL_CONTEXT) tokens, at most `kv_memory_fraction` of the memory
+    `free` now (counting the target `mc`'s pool: drafters' are small beside it), never less
+    than one request of
+    max_model_len; plus the null block. Requests that outgrow it wait or are preempted
+    (recomputed later), never lost: a model whose maximum is 8192 does not hold
+    max_batch_size x 8192 tokens of K/V for the rare request that reaches it."""
     D = speculation.max_draft_len
-    reach = max_len - 1 + kv_reserve(D, speculation.drafts_in_step, speculation.verify_len(D))
-    blocks_per_seq = -(-reach // config.tokens_per_block)
-    num_blocks = config.num_kv_blocks or config.max_batch_size * blocks_per_seq + 1
-    if num_blocks - 1 < blocks_per_seq:
-        raise ValueError(f"num_kv_blocks {num_blocks} cannot hold one request of "
-                         f"max_model_len {max_len} ({blocks_per_seq} blocks + null)")
-    return blocks_per_seq, num_blocks
+    reserve = kv_reserve(D, speculation.drafts_in_step, speculation.verify_len(D))
+    blocks_per_seq = -(-(max_len - 1 + reserve) // config.tokens_per_block)
+    if config.num_kv_blocks:
+        num_blocks = config.num_kv_blocks
+        if num_blocks - 1 < blocks_per_seq:
+            raise ValueError(f"num_kv_blocks {num_blocks} cannot hold one request of "
+                             f"max_model_len {max_len} ({blocks_per_seq} blocks + null)")
+        return blocks_per_seq, num_blocks
+    typical = -(-(min(max_len, TYPICAL_CONTEXT) - 1 + reserve) // config.tokens_per_block)
+    wanted = config.max_batch_size * typical
+    if mc is not None and free is not None:
+        block_bytes = (2 * len(mc.kv_layers) * config.tokens_per_block * mc.num_kv_heads
+                       * mc.head_dim * np.dtype(mc.dtype).itemsize)
+        wanted = min(wanted, int(free * config.kv_memory_fraction) // block_bytes)
+    return blocks_per_seq, max(wanted, blocks_per_seq) + 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,7 +116,8 @@ class EngineConfig:
     max_batch_size: int = 8
     max_model_len: int | None = None    # default: the model's max_position_embeddings
     tokens_per_block: int = 16
-    num_kv_blocks: int | None = None    # default: room for max_batch_size full-length requests
+    num_kv_blocks: int | None = None    # default: `kv_sizing`'s rule
+    kv_memory_fraction: float = 0.5     # the default pool's cap: this share of free memory
     prefill_chunk: int = 64             # run width of prompt-chunk steps
     max_prefill_rows: int = 2           # per-step prompt token budget = chunk x rows
     # The batch sizes generation steps compile for (CUDA-graph capture sizes in TensorRT-LLM):
@@ -112,6 +151,9 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 2):
                 raise ValueError(f"{name} must be an int >= 2, got {value!r}")
+        if not 0 < self.kv_memory_fraction <= 1:
+            raise ValueError(f"kv_memory_fraction must be in (0, 1], got "
+                             f"{self.kv_memory_fraction!r}")
         check_commit_mode(self.recurrent_commit)
         sizes = self.batch_sizes
         if sizes is not None and (

@@ -28,7 +28,7 @@ from specjax.core.steps import runs_on_device
 from specjax.engine.allocator import BlockAllocator
 from specjax.engine.bookkeeper import Bookkeeper, DispatchedStep, GenerationRow
 from specjax.engine.config import (EngineConfig, EngineSnapshot,  # noqa: F401 (re-export)
-                                   bucket, for_model, kv_sizing)
+                                   bucket, for_model, free_memory, kv_sizing)
 from specjax.engine.executor import Executor
 from specjax.engine.grammar import Grammars, check_guided
 from specjax.engine.hidden_states import HiddenStateRecorder
@@ -63,7 +63,7 @@ class Engine:
         self.gate = spec.make_gate()
         self.recorder = (HiddenStateRecorder(spec.save_hidden_states, spec.save_layers)
                          if spec.save_hidden_states else None)
-        blocks_per_seq, num_blocks = kv_sizing(config, spec, self.max_len)
+        blocks_per_seq, num_blocks = kv_sizing(config, spec, self.max_len, mc, free_memory())
         self.allocator = BlockAllocator(num_blocks, config.tokens_per_block, pool_lookahead(spec.worker))
         self.prefix_cache = (PrefixCachePolicy(self.allocator, self.stats,
                                                prefill_only=not rewrites_committed(spec.worker),
