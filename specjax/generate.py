@@ -7,7 +7,7 @@ import sys
 import time
 from pathlib import Path
 
-from specjax.cli import HelpFormatter
+from specjax.cli import MODEL_HELP, HelpFormatter
 from specjax.llm import LLM
 from specjax.sampling_params import SamplingParams
 from specjax.speculative.defaults import parse_speculative_config, speculative_config_help
@@ -19,7 +19,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--prompt", action="append",
                         help="text to continue (repeat for a batch; default: 'def fibonacci(n):')")
     parser.add_argument("--model", default="bundled",
-                        help="'bundled' or a local Hugging Face / specjax checkpoint folder")
+                        help=MODEL_HELP)
     parser.add_argument("--max-tokens", type=int, default=128,
                         help="tokens to generate per prompt")
     parser.add_argument("--temperature", type=float, default=0.0,

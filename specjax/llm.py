@@ -9,11 +9,11 @@ import jax
 from jax.sharding import Mesh
 from specjax.engine.progress import tqdm
 
+from specjax.chat import ChatTemplate
 from specjax.engine import compile_cache, distributed
 from specjax.engine.engine import Engine, EngineConfig
 from specjax.engine.request import RequestOutput
 from specjax.models import Llama
-from specjax.models.gguf_checkpoint import is_gguf
 from specjax.models.registry import load_model, resolve_model_path
 from specjax.sampling_params import SamplingParams
 from specjax.speculative.config import SpeculativeConfig
@@ -104,10 +104,8 @@ class LLM:
             self.model_path = resolve_model_path(model)
             with reading:
                 model = load_model(self.model_path, dtype=dtype)
-            if tokenizer is None and is_gguf(self.model_path):
-                tokenizer = Tokenizer.from_gguf(self.model_path)
-            elif tokenizer is None and (self.model_path / "tokenizer.json").exists():
-                tokenizer = Tokenizer.from_folder(self.model_path)
+            if tokenizer is None:
+                tokenizer = Tokenizer.from_model(self.model_path)
         self.model = model
         self.tokenizer = tokenizer
         # Speculation (drafter modules included) is built and checked by the engine; its
@@ -157,8 +155,22 @@ class LLM:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("prompt is text but this LLM has no tokenizer; pass token ids")
-            return self.tokenizer.encode(prompt)
+            return self.tokenizer.encode(prompt, add_bos=None)
         return list(prompt)
+
+    def chat(self, messages: Sequence[dict[str, str]] | Sequence[Sequence[dict[str, str]]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             progress: bool = False) -> list[RequestOutput]:
+        """Answer one conversation (a list of {"role", "content"} messages) or a list of them,
+        each rendered with the model's chat template (`specjax.chat.ChatTemplate`; a plain
+        "role: content" layout for a model without one) and generated like `generate`;
+        generation ends at the tokenizer's end-of-turn ids."""
+        if self.tokenizer is None:
+            raise ValueError("chat needs a tokenizer; this LLM has none")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        template = ChatTemplate.from_tokenizer(self.tokenizer)
+        return self.generate([template.prompt_ids(self.tokenizer, list(c))
+                              for c in conversations], sampling_params, progress)
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

@@ -54,6 +54,15 @@ class Tokenizer:
         return "" if token_id is None else (self.backend.id_to_token(token_id) or "")
 
     @classmethod
+    def from_model(cls, path: str | os.PathLike) -> "Tokenizer | None":
+        """The tokenizer of a resolved model path: a GGUF file's, a folder's `tokenizer.json`
+        (None when the folder has none)."""
+        path = Path(path)
+        if path.is_file():
+            return cls.from_gguf(path)
+        return cls.from_folder(path) if (path / "tokenizer.json").exists() else None
+
+    @classmethod
     def from_folder(cls, path: str | os.PathLike) -> "Tokenizer":
         """`tokenizer.json` plus the special ids of `config.json`, `generation_config.json`
         and `tokenizer_config.json`; the chat template from `tokenizer_config.json` or
@@ -109,8 +118,9 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self.backend.get_vocab_size(with_added_tokens=True)
 
-    def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
-        """`add_bos`: None follows the tokenizer (`add_bos_token`)."""
+    def encode(self, text: str, add_bos: bool | None = False) -> list[int]:
+        """`add_bos`: None follows the tokenizer (`add_bos_token`: what `LLM` and the
+        server do with a text prompt)."""
         # The batch entry points release the GIL while they work (plain `encode` holds it: a
         # 1 MiB prompt would stall every other thread, a server's event loop among them);
         # `encode_batch_fast` also skips the offsets nobody reads here.
@@ -162,7 +172,8 @@ def _folder_adds_bos(backend: tokenizers.Tokenizer, bos: int | None,
 
 # ---- GGUF metadata -> tokenizers ------------------------------------------------------------
 
-_GPT2_TYPES = {"control": 3, "user_defined": 4}
+# llama.cpp's token types (`tokenizer.ggml.token_type`) that are added tokens.
+_TOKEN_TYPES = {"control": 3, "user_defined": 4}
 _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
                  r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 _QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
@@ -229,9 +240,9 @@ def _add_special(tok: tokenizers.Tokenizer, meta: dict[str, Any]) -> None:
     both are matched whole in text, as llama.cpp does."""
     tokens, types = meta["tokenizer.ggml.tokens"], meta.get("tokenizer.ggml.token_type") or ()
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                            for t, k in zip(tokens, types) if k == _GPT2_TYPES["control"]])
+                            for t, k in zip(tokens, types) if k == _TOKEN_TYPES["control"]])
     tok.add_tokens([AddedToken(t, special=False, normalized=False)
-                    for t, k in zip(tokens, types) if k == _GPT2_TYPES["user_defined"]])
+                    for t, k in zip(tokens, types) if k == _TOKEN_TYPES["user_defined"]])
 
 
 _GGUF_BUILDERS = {"gpt2": _byte_level, "llama": _sentencepiece}

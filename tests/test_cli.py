@@ -27,7 +27,7 @@ def test_generate_reports_acceptance_when_speculating(capsys):
 @pytest.mark.parametrize("args, message", [
     (["--max-tokens", "-3"], "max_tokens must be >= 1"),
     (["--top-p", "0"], "top_p must be in (0, 1]"),
-    (["--model", "/nonexistent/folder"], "neither 'bundled' nor an existing local folder"),
+    (["--model", "/nonexistent/folder"], "neither a known name nor an existing local folder"),
 ])
 def test_generate_rejects_bad_arguments_before_loading(capsys, args, message):
     assert generate.main(args) == 2

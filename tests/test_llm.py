@@ -32,7 +32,7 @@ def test_sampling_params_errors(kwargs, match):
 
 
 def test_unknown_model_folder(tmp_path):
-    with pytest.raises(ValueError, match="neither 'bundled' nor an existing local folder"):
+    with pytest.raises(ValueError, match="neither a known name nor an existing local folder"):
         specjax.LLM(str(tmp_path / "missing"))
 
 

@@ -132,3 +132,16 @@ def decode_weight_bytes(engine: Engine) -> int:
     if not engine.model_config.tie_word_embeddings:
         total -= params["embed"].nbytes
     return total
+
+
+def cpu_name() -> str:
+    """The host CPU's model name (figures depend on it: print it beside them)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+    return platform.processor() or platform.machine()

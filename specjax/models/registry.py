@@ -64,3 +64,12 @@ def load_model(path: str | os.PathLike, dtype: str | None = None):
     from specjax.models.gguf_checkpoint import is_gguf, load_gguf
     from specjax.models.hf_checkpoint import load_hf_checkpoint
     return load_gguf(path, dtype) if is_gguf(path) else load_hf_checkpoint(path, dtype)
+
+
+def model_config(path: str | os.PathLike, dtype: str | None = None):
+    """A resolved model path's `ModelConfig`, without reading its weights."""
+    from specjax.models.config import ModelConfig
+    from specjax.models.gguf_checkpoint import gguf_config, is_gguf, read_gguf_metadata
+    if is_gguf(path):
+        return gguf_config(read_gguf_metadata(path), dtype)
+    return ModelConfig.from_json_file(Path(path) / "config.json", dtype=dtype)

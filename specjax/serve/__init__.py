@@ -6,7 +6,7 @@ background thread (`engine_thread.EngineThread`) that the HTTP handlers feed thr
 bounded shutdown (`http_server.py`); middleware in `guard.py` and `hosts.py` bounds the rest.
 """
 from specjax.serve.app import Server, ServerSettings, create_app
-from specjax.serve.chat import ChatTemplate
+from specjax.chat import ChatTemplate
 from specjax.serve.defaults import default_speculative_config, parse_speculative_config
 from specjax.serve.http_server import build_server
 

@@ -17,7 +17,7 @@ import os
 import sys
 from typing import Mapping
 
-from specjax.cli import QUIET_LOGGERS, HelpFormatter
+from specjax.cli import MODEL_HELP, QUIET_LOGGERS, HelpFormatter
 from specjax.serve.defaults import parse_speculative_config, served_model_name
 from specjax.speculative.defaults import speculative_config_help
 
@@ -28,9 +28,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m specjax.serve", description=__doc__,
                                      formatter_class=HelpFormatter)
     parser.add_argument("--model", default="bundled",
-                        help="'bundled' or a local Hugging Face / specjax checkpoint folder")
+                        help=MODEL_HELP)
     parser.add_argument("--served-model-name", default=None,
-                        help="the name clients send as 'model' (default: the folder's name; "
+                        help="the name clients send as 'model' (default: the folder's name, a GGUF "
+                             "file's without .gguf; "
                              "the --model value is accepted too)")
     parser.add_argument("--speculative-config", default=None, help=speculative_config_help(
         "EAGLE-3 with the shipped head (bundled-eagle3) for the bundled model, rejection "

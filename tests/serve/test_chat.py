@@ -8,7 +8,7 @@ import shutil
 import pytest
 
 from specjax.models.registry import BUNDLED_TARGET, CHECKPOINTS_DIR
-from specjax.serve.chat import ChatTemplate
+from specjax.chat import ChatTemplate
 from specjax.tokenizer import Tokenizer
 from specjax.validation import InvalidArgument
 
@@ -59,7 +59,7 @@ def test_template_in_chat_template_jinja(tmp_path):
                                  tokenizer_config__json=json.dumps({"add_bos_token": False}))
     assert ChatTemplate.from_tokenizer(tokenizer).source == CHATML
     assert not tokenizer.add_bos_token
-    assert tokenizer.encode("Hi")[:1] != [tokenizer.bos_token_id]
+    assert tokenizer.encode("Hi", add_bos=None)[:1] != [tokenizer.bos_token_id]
 
 
 def test_template_exceptions_are_request_errors():

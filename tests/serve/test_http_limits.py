@@ -16,7 +16,7 @@ from fakes import FakeEngine, fake_llm
 from live_server import serve_in_thread
 
 from specjax.serve import ServerSettings, create_app, prepare
-from specjax.serve.chat import ChatTemplate
+from specjax.chat import ChatTemplate
 from specjax.serve.hosts import allowed_hosts_for, normalize_host
 
 BODY = {"model": "fake", "prompt": "a", "max_tokens": 120}

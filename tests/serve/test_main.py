@@ -105,7 +105,7 @@ def test_served_model_name(tmp_path):
 
 @pytest.mark.parametrize("argv, message", [
     (["--speculative-config", "{not json"], "--speculative-config"),
-    (["--model", "/nonexistent/folder", "--speculative-config", "none"], "neither 'bundled'"),
+    (["--model", "/nonexistent/folder", "--speculative-config", "none"], "neither a known name nor an existing local folder"),
     (["--port", "70000"], "--port"),
     (["--max-queue", "-1"], "--max-queue"),
     (["--max-tokens-cap", "0"], "max_tokens_cap"),

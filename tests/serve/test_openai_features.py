@@ -17,7 +17,7 @@ from live_server import MODEL_NAME, REFERENCE_MAX_TOKENS, REFERENCE_PROMPTS, ser
 
 from specjax.engine.engine import EngineSnapshot
 from specjax.serve import ServerSettings, create_app
-from specjax.serve.chat import ChatTemplate
+from specjax.chat import ChatTemplate
 from specjax.serve.logprobs import TokenTexts
 from specjax.serve.metrics import ServerMetrics
 from specjax.serve.protocol import MAX_CHOICES, MAX_N

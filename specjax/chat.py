@@ -42,6 +42,11 @@ class ChatTemplate:
         return cls(tokenizer.chat_template, tokenizer.token_text(tokenizer.bos_token_id),
                    tokenizer.token_text(eos))
 
+    def prompt_ids(self, tokenizer: Tokenizer, messages: Sequence[dict[str, str]]) -> list[int]:
+        """The token ids of `messages` rendered: BOS prepended only where the default
+        template leaves it to the tokenizer (a model's template writes its own)."""
+        return tokenizer.encode(self.render(messages), add_bos=self.add_bos)
+
     def render(self, messages: Sequence[dict[str, str]]) -> str:
         """`messages` are {"role", "content"} dicts with string content."""
         if self._template is None:
