@@ -210,3 +210,23 @@ def test_installed_model_missing_says_how_to_install(monkeypatch):
     with pytest.raises(ValueError, match="neither a known name nor an existing local folder "
                                          "or .gguf file"):
         registry.resolve_model_path("no-such-model.gguf")
+
+
+def test_llama3_rope_freqs_become_its_rope_scaling(tmp_path):
+    """llama.cpp writes Llama 3.1's rotary scaling as a `rope_freqs` tensor of divisors; the
+    loader maps it back to the parameters that give them."""
+    from specjax.models import RopeScaling
+    from specjax.models.rope import inverse_frequencies
+    scaling = RopeScaling("llama3", 8.0, 1.0, 4.0, 8192)
+    config = CONFIG.replace(hidden_size=64, intermediate_size=128, head_dim=16,
+                            rope_theta=500000.0)
+    model = Llama(config, rngs=nnx.Rngs(0))
+    divisors = (inverse_frequencies(config)
+                / inverse_frequencies(config.replace(rope_scaling=scaling)))
+    path = write_gguf(tmp_path / "llama31.gguf", {**gguf_metadata(config), **tokenizer_metadata()},
+                      {**gguf_tensors(model), "rope_freqs.weight": divisors})
+    assert load_gguf(path).config.rope_scaling == scaling
+    bent = write_gguf(tmp_path / "other.gguf", {**gguf_metadata(config), **tokenizer_metadata()},
+                      {**gguf_tensors(model), "rope_freqs.weight": divisors ** 0.5})
+    with pytest.raises(CheckpointError, match="rope_freqs does not match"):
+        load_gguf(bent)
