@@ -91,15 +91,13 @@ class Tokenizer:
                    template if isinstance(template, str) else None)
 
     @classmethod
-    def from_gguf(cls, path: str | os.PathLike, meta: dict[str, Any] | None = None
-                  ) -> "Tokenizer":
+    def from_gguf(cls, path: str | os.PathLike) -> "Tokenizer":
         """The tokenizer a GGUF file's metadata describes: byte-level BPE ("gpt2": its
         pre-tokenizer from `tokenizer.ggml.pre`) or SentencePiece BPE ("llama"), special and
         user-defined tokens, BOS as `add_bos_token` says (llama.cpp's defaults where the file
         is silent), end-of-text/turn ids and the chat template."""
-        if meta is None:
-            from specjax.models.gguf_checkpoint import read_gguf_metadata
-            meta = read_gguf_metadata(path)
+        from specjax.models.gguf_checkpoint import read_gguf_metadata
+        meta = read_gguf_metadata(path)
         kind = meta.get("tokenizer.ggml.model")
         if kind not in _GGUF_BUILDERS:
             raise ValueError(f"GGUF tokenizer {kind!r} in {path} is not supported (supported: "

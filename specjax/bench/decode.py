@@ -233,10 +233,13 @@ def _llama_cpp_child(python: str | None, gguf: Path | None, n_ctx: int):
                              "installed there?)")
         return json.loads(line)
 
+    def generate(prompt: list[int], max_tokens: int) -> tuple[float, list[int]]:
+        answer = ask(prompt=prompt, max_tokens=max_tokens)
+        return answer["seconds"], answer["tokens"]
+
     try:
         version = ask(load=str(gguf), threads=os.cpu_count(), n_ctx=n_ctx)["version"]
-        yield (lambda prompt, n: (lambda a: (a["seconds"], a["tokens"]))(
-            ask(prompt=prompt, max_tokens=n))), version
+        yield generate, version
     finally:
         child.stdin.close()
         child.wait(timeout=60)

@@ -73,9 +73,18 @@ def free_memory(device=None) -> int | None:
         if "bytes_limit" in stats:
             return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
         return None
+    # MemAvailable counts the page cache the kernel would give back; "free" pages alone
+    # (SC_AVPHYS_PAGES) can be a small part of that after large files were read (a model).
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
     try:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):  # not Linux
+    except (ValueError, OSError, AttributeError):  # neither Linux nor POSIX sysconf
         return None
 
 
@@ -87,9 +96,8 @@ def kv_sizing(config: EngineConfig, speculation, max_len: int, mc: ModelConfig |
     newest token. The pool, unless `num_kv_blocks` says: room for `max_batch_size` requests of
     min(max_model_len, TYPICAL_CONTEXT) tokens, at most `kv_memory_fraction` of the memory
     `free` now (counting the target `mc`'s pool: drafters' are small beside it), never less
-    than one request of
-    max_model_len; plus the null block. Requests that outgrow it wait or are preempted
-    (recomputed later), never lost: a model whose maximum is 8192 does not hold
+    than one request of max_model_len; plus the null block. Requests that outgrow it wait or
+    are preempted (recomputed later), never lost: a model whose maximum is 8192 does not hold
     max_batch_size x 8192 tokens of K/V for the rare request that reaches it."""
     D = speculation.max_draft_len
     reserve = kv_reserve(D, speculation.drafts_in_step, speculation.verify_len(D))
