@@ -82,7 +82,7 @@ def attention_inputs(B, T, H, KV, hd, bs, ctx_lens, M, dtype, seed=0, layers=2):
     rng = np.random.default_rng(seed)
     need = [-(-c // bs) for c in ctx_lens]
     N = sum(need) + 1
-    pool_shape = (layers, N, bs, KV, hd)
+    pool_shape = (layers, N, KV, bs, hd)
     k_pool = rng.standard_normal(pool_shape, np.float32)
     v_pool = rng.standard_normal(pool_shape, np.float32)
     k_pool[:, 0] = np.nan
@@ -239,10 +239,10 @@ def check_attention_tree(dtype, window):
 
 
 def check_relocate():
-    L, N, bs, KV, hd = 3, 9, 16, 2, 64
+    L, N, KV, bs, hd = 3, 9, 2, 16, 64
     rng = np.random.default_rng(5)
-    k = rng.standard_normal((L, N, bs, KV, hd), np.float32)
-    v = rng.standard_normal((L, N, bs, KV, hd), np.float32)
+    k = rng.standard_normal((L, N, KV, bs, hd), np.float32)
+    v = rng.standard_normal((L, N, KV, bs, hd), np.float32)
     # Row 0: a chain inside block 1; row 1: a cycle in block 2; row 2: nothing (garbage).
     sb = np.array([[1, 1, 3, 0], [2, 2, 2, 0], [-4, 99, 1, 1]], np.int32)
     so = np.array([[5, 6, 0, 0], [0, 1, 2, 0], [0, 77, 0, 0]], np.int32)
@@ -254,13 +254,13 @@ def check_relocate():
     ref = relocate_kv_reference(jnp.asarray(k), jnp.asarray(v), sb, so, db, do, n)
     for o, r in zip(out, ref):
         check(np.array_equal(np.asarray(o), np.asarray(r)), "relocated pools differ")
-    check(np.array_equal(np.asarray(out[0])[:, 1, 4], k[:, 1, 5]), "chain move missing")
+    check(np.array_equal(np.asarray(out[0])[:, 1, :, 4], k[:, 1, :, 5]), "chain move missing")
     return "exact (donated, in place)"
 
 
 def check_gather():
     rng = np.random.default_rng(6)
-    pool = jnp.asarray(rng.standard_normal((2, 9, 16, 3, 40), np.float32), jnp.bfloat16)
+    pool = jnp.asarray(rng.standard_normal((2, 9, 3, 16, 40), np.float32), jnp.bfloat16)
     tables = jnp.asarray([[1, 4, 0], [8, 2, 3]], jnp.int32)
     out = jax.jit(lambda *a: gather_kv_pages_kernel(*a, interpret=INTERPRET))(pool, 1, tables)
     check(np.array_equal(np.asarray(out, np.float32),
@@ -371,7 +371,7 @@ def time_case(kind, params, iters):
         return median_us(kern, a, iters), median_us(ref, a, iters)
     if kind == "relocate_kv":
         B, R, L, N = params["B"], params["R"], 32, 1024
-        shape = (L, N, 16, 8, 128)
+        shape = (L, N, 8, 16, 128)
         rng = np.random.default_rng(7)
         idx = [jnp.asarray(rng.integers(1, hi, (B, R)), jnp.int32) for hi in (N, 16, N, 16)]
         n = jnp.full((B,), R, jnp.int32)
@@ -384,7 +384,7 @@ def time_case(kind, params, iters):
         return tuple(res)
     if kind == "gather_kv_pages":
         B, M = params["B"], params["ctx"] // 16
-        pool = jnp.ones((4, B * M + 1, 16, 8, 128), jnp.bfloat16)
+        pool = jnp.ones((4, B * M + 1, 8, 16, 128), jnp.bfloat16)
         tables = jnp.asarray(np.random.default_rng(8).permutation(B * M).reshape(B, M) + 1,
                              jnp.int32)
         kern = jax.jit(lambda *a: gather_kv_pages_kernel(*a, interpret=INTERPRET))

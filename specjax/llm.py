@@ -52,6 +52,10 @@ class LLM:
     faster one measured) or "states" (keep every verified position's state) -- same tokens,
     different cost (`specjax.core.recurrent`).
 
+    Layers: `scan_layers=None` runs the target's layers unrolled on CPU (faster steps: XLA:CPU
+    copies each scanned layer's weights before its matmuls) and under `lax.scan` elsewhere
+    (one layer body per program: faster compiles); True or False chooses.
+
     Several processes (hosts): give each the same arguments plus `coordinator_address`
     (process 0's HOST:PORT), `num_processes` and its `process_id`; the mesh then spans every
     process's devices. Process 0 generates; the others call `follow()`, which returns when
@@ -66,7 +70,7 @@ class LLM:
                  prefill_chunk: int = 64, max_prefill_rows: int = 2, seed: int | None = None,
                  speculative_config: SpeculativeConfig | None = None,
                  overlap_scheduler: bool = True, enable_prefix_cache: bool = True,
-                 recurrent_commit: str = "replay",
+                 recurrent_commit: str = "replay", scan_layers: bool | None = None,
                  tensor_parallel_size: int | None = None, mesh: Mesh | None = None,
                  coordinator_address: str | None = None, num_processes: int = 1,
                  process_id: int = 0, warmup: bool = False, progress: bool = True):
@@ -86,7 +90,7 @@ class LLM:
                               prefill_chunk=prefill_chunk, max_prefill_rows=max_prefill_rows,
                               overlap_scheduler=overlap_scheduler,
                               enable_prefix_cache=enable_prefix_cache,
-                              recurrent_commit=recurrent_commit,
+                              recurrent_commit=recurrent_commit, scan_layers=scan_layers,
                               tensor_parallel_size=tensor_parallel_size, mesh=mesh)
         # A size without as many devices is refused before loading. Split, the target is read
         # into host memory and each device gets only its shards (`Executor`): it need not fit

@@ -2,15 +2,16 @@
 
 `relocate_kv_kernel` runs two pallas_calls over a (request, move) grid: the first copies every
 performed move's source rows (all layers, K and V) into a small staging buffer
-`[B, R, L, KV*hd]`, the second writes them to their destinations in the pools, which are
-aliased input->output (`input_output_aliases`), so under jit with donated pools the update is
-in place. The kernel boundary is what makes "all sources are read before any destination is
-written" hold on a GPU, where the programs of one kernel run concurrently with no ordering.
-A row of one (layer, block, slot) is `KV*hd` contiguous elements, loaded and stored as one
-masked power-of-two vector.
+`[B, R, L, KV, hd]` (both padded to powers of two), the second writes them to their
+destinations in the pools, which are aliased input->output (`input_output_aliases`), so under
+jit with donated pools the update is in place. The kernel boundary is what makes "all sources
+are read before any destination is written" hold on a GPU, where the programs of one kernel run
+concurrently with no ordering. Pools are head-major inside a block, so a token's row of one
+(layer, block, slot) is KV runs of hd elements, `tokens_per_block*hd` apart, loaded and stored
+as one masked `[KV, hd]` tile.
 
-`gather_kv_pages_kernel` copies each request's pages at one layer: grid (request, table
-entry), `chunk` elements per step of the page's contiguous `tokens_per_block*KV*hd` run.
+`gather_kv_pages_kernel` copies each request's pages at one layer: grid (request, kv head,
+table entry), `chunk` elements per step of the head's contiguous `tokens_per_block*hd` run.
 """
 from __future__ import annotations
 
@@ -31,11 +32,17 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
-def _stage_kernel(k_ref, v_ref, sb_ref, so_ref, n_ref, kbuf_ref, vbuf_ref, *, L: int, F: int,
-                  Fp: int):
+def _token_tile(KV: int, hd: int) -> tuple[int, int, jax.Array]:
+    """A token's `[KV, hd]` row as a power-of-two tile: (rows, lanes, mask of the real ones)."""
+    KVp, Hp = _next_pow2(KV), _next_pow2(hd)
+    mask = (jnp.arange(KVp)[:, None] < KV) & (jnp.arange(Hp)[None, :] < hd)
+    return KVp, Hp, mask
+
+
+def _stage_kernel(k_ref, v_ref, sb_ref, so_ref, n_ref, kbuf_ref, vbuf_ref, *, L: int, KV: int,
+                  hd: int):
     b, r = pl.program_id(0), pl.program_id(1)
-    lanes = jnp.arange(Fp, dtype=jnp.int32)
-    mask = lanes < F
+    KVp, Hp, mask = _token_tile(KV, hd)
 
     @pl.when(r < n_ref[b])
     def _():
@@ -43,19 +50,18 @@ def _stage_kernel(k_ref, v_ref, sb_ref, so_ref, n_ref, kbuf_ref, vbuf_ref, *, L:
 
         def layer(l, carry):
             for src, buf in ((k_ref, kbuf_ref), (v_ref, vbuf_ref)):
-                row = plgpu.load(src.at[l, blk, off, pl.ds(0, Fp)], mask=mask, other=0)
-                buf[l, :] = row
+                buf[l] = plgpu.load(src.at[l, blk, pl.ds(0, KVp), off, pl.ds(0, Hp)],
+                                    mask=mask, other=0)
             return carry
 
         jax.lax.fori_loop(0, L, layer, 0)
 
 
 def _write_kernel(kbuf_ref, vbuf_ref, db_ref, do_ref, n_ref, k_in_ref, v_in_ref, k_ref, v_ref,
-                  *, L: int, F: int, Fp: int):
+                  *, L: int, KV: int, hd: int):
     del k_in_ref, v_in_ref  # aliased to k_ref/v_ref
     b, r = pl.program_id(0), pl.program_id(1)
-    lanes = jnp.arange(Fp, dtype=jnp.int32)
-    mask = lanes < F
+    KVp, Hp, mask = _token_tile(KV, hd)
 
     @pl.when(r < n_ref[b])
     def _():
@@ -63,7 +69,8 @@ def _write_kernel(kbuf_ref, vbuf_ref, db_ref, do_ref, n_ref, k_in_ref, v_in_ref,
 
         def layer(l, carry):
             for buf, dst in ((kbuf_ref, k_ref), (vbuf_ref, v_ref)):
-                plgpu.store(dst.at[l, blk, off, pl.ds(0, Fp)], buf[l, :], mask=mask)
+                plgpu.store(dst.at[l, blk, pl.ds(0, KVp), off, pl.ds(0, Hp)], buf[l],
+                            mask=mask)
             return carry
 
         jax.lax.fori_loop(0, L, layer, 0)
@@ -72,37 +79,33 @@ def _write_kernel(kbuf_ref, vbuf_ref, db_ref, do_ref, n_ref, k_in_ref, v_in_ref,
 @functools.partial(jax.jit, static_argnames=("interpret", "num_warps"))
 def _relocate(k_pool, v_pool, src_blocks, src_offsets, dst_blocks, dst_offsets, num_moves, *,
               interpret: bool, num_warps: int):
-    L, N, bs, KV, hd = k_pool.shape
+    L, N, KV, bs, hd = k_pool.shape
     B, R = src_blocks.shape
-    F = KV * hd
-    Fp = _next_pow2(F)
-    k_flat = k_pool.reshape(L, N, bs, F)
-    v_flat = v_pool.reshape(L, N, bs, F)
+    KVp, Hp = _next_pow2(KV), _next_pow2(hd)
     i32 = lambda x: x.astype(jnp.int32)
     num_moves = jnp.clip(i32(num_moves), 0, R)
     params = None if interpret else gpu_compiler_params(num_warps=num_warps)
     whole = pl.BlockSpec()
-    buf_spec = pl.BlockSpec((None, None, L, Fp), lambda b, r: (b, r, 0, 0))
+    buf_spec = pl.BlockSpec((None, None, L, KVp, Hp), lambda b, r: (b, r, 0, 0, 0))
     kbuf, vbuf = pl.pallas_call(
-        functools.partial(_stage_kernel, L=L, F=F, Fp=Fp),
+        functools.partial(_stage_kernel, L=L, KV=KV, hd=hd),
         grid=(B, R),
         in_specs=[whole] * 5,
         out_specs=[buf_spec, buf_spec],
-        out_shape=[jax.ShapeDtypeStruct((B, R, L, Fp), k_pool.dtype),
-                   jax.ShapeDtypeStruct((B, R, L, Fp), v_pool.dtype)],
+        out_shape=[jax.ShapeDtypeStruct((B, R, L, KVp, Hp), k_pool.dtype),
+                   jax.ShapeDtypeStruct((B, R, L, KVp, Hp), v_pool.dtype)],
         interpret=interpret, compiler_params=params, name="relocate_kv_stage",
-    )(k_flat, v_flat, i32(src_blocks), i32(src_offsets), num_moves)
-    k_flat, v_flat = pl.pallas_call(
-        functools.partial(_write_kernel, L=L, F=F, Fp=Fp),
+    )(k_pool, v_pool, i32(src_blocks), i32(src_offsets), num_moves)
+    return pl.pallas_call(
+        functools.partial(_write_kernel, L=L, KV=KV, hd=hd),
         grid=(B, R),
         in_specs=[buf_spec, buf_spec] + [whole] * 5,
         out_specs=[whole, whole],
-        out_shape=[jax.ShapeDtypeStruct(k_flat.shape, k_flat.dtype),
-                   jax.ShapeDtypeStruct(v_flat.shape, v_flat.dtype)],
+        out_shape=[jax.ShapeDtypeStruct(k_pool.shape, k_pool.dtype),
+                   jax.ShapeDtypeStruct(v_pool.shape, v_pool.dtype)],
         input_output_aliases={5: 0, 6: 1},
         interpret=interpret, compiler_params=params, name="relocate_kv_write",
-    )(kbuf, vbuf, i32(dst_blocks), i32(dst_offsets), num_moves, k_flat, v_flat)
-    return k_flat.reshape(k_pool.shape), v_flat.reshape(v_pool.shape)
+    )(kbuf, vbuf, i32(dst_blocks), i32(dst_offsets), num_moves, k_pool, v_pool)
 
 
 def relocate_kv_kernel(k_pool: jax.Array, v_pool: jax.Array, src_blocks: jax.Array,
@@ -122,7 +125,7 @@ def relocate_kv_kernel(k_pool: jax.Array, v_pool: jax.Array, src_blocks: jax.Arr
 
 
 def _gather_kernel(pool_ref, bt_ref, layer_ref, out_ref, *, E: int, C: int):
-    b, m = pl.program_id(0), pl.program_id(1)
+    b, h, m = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     blk = bt_ref[b, m]
     layer = layer_ref[0]
     lanes = jnp.arange(C, dtype=jnp.int32)
@@ -130,7 +133,7 @@ def _gather_kernel(pool_ref, bt_ref, layer_ref, out_ref, *, E: int, C: int):
     def step(i, carry):
         start = i * C
         mask = lanes + start < E
-        x = plgpu.load(pool_ref.at[layer, blk, pl.ds(start, C)], mask=mask, other=0)
+        x = plgpu.load(pool_ref.at[layer, blk, h, pl.ds(start, C)], mask=mask, other=0)
         plgpu.store(out_ref.at[pl.ds(start, C)], x, mask=mask)
         return carry
 
@@ -139,22 +142,22 @@ def _gather_kernel(pool_ref, bt_ref, layer_ref, out_ref, *, E: int, C: int):
 
 @functools.partial(jax.jit, static_argnames=("interpret", "chunk", "num_warps"))
 def _gather_pages(pool, layer, block_tables, *, interpret: bool, chunk: int, num_warps: int):
-    L, N, bs, KV, hd = pool.shape
+    L, N, KV, bs, hd = pool.shape
     B, M = block_tables.shape
-    E = bs * KV * hd
+    E = bs * hd
     C = min(_next_pow2(chunk), _next_pow2(E))
     out = pl.pallas_call(
         functools.partial(_gather_kernel, E=E, C=C),
-        grid=(B, M),
+        grid=(B, KV, M),
         in_specs=[pl.BlockSpec()] * 3,
-        out_specs=pl.BlockSpec((None, None, E), lambda b, m: (b, m, 0)),
-        out_shape=jax.ShapeDtypeStruct((B, M, E), pool.dtype),
+        out_specs=pl.BlockSpec((None, None, None, E), lambda b, h, m: (b, h, m, 0)),
+        out_shape=jax.ShapeDtypeStruct((B, KV, M, E), pool.dtype),
         interpret=interpret,
         compiler_params=None if interpret else gpu_compiler_params(num_warps=num_warps),
         name="gather_kv_pages",
-    )(pool.reshape(L, N, E), block_tables.astype(jnp.int32),
+    )(pool.reshape(L, N, KV, E), block_tables.astype(jnp.int32),
       jnp.asarray(layer, jnp.int32).reshape(1))
-    return out.reshape(B, M * bs, KV, hd)
+    return out.reshape(B, KV, M, bs, hd)
 
 
 def gather_kv_pages_kernel(pool: jax.Array, layer: jax.Array | int, block_tables: jax.Array, *,
@@ -162,8 +165,8 @@ def gather_kv_pages_kernel(pool: jax.Array, layer: jax.Array | int, block_tables
                            num_warps: int = 4) -> jax.Array:
     """The Pallas kernel; arguments and result as `gather_kv_pages_reference`."""
     B, M = block_tables.shape
-    _, _, bs, KV, hd = pool.shape
+    _, _, KV, bs, hd = pool.shape
     if B == 0 or M == 0:
-        return jnp.zeros((B, M * bs, KV, hd), pool.dtype)
+        return jnp.zeros((B, KV, M, bs, hd), pool.dtype)
     return _gather_pages(pool, layer, block_tables, interpret=bool(interpret), chunk=chunk,
                          num_warps=num_warps)

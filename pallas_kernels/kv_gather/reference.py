@@ -11,7 +11,7 @@ def relocate_kv_reference(k_pool: jax.Array, v_pool: jax.Array, src_blocks: jax.
                           interpret: bool | None = None) -> tuple[jax.Array, jax.Array]:
     """Move K/V rows (every layer) of accepted positions to their final slots.
 
-    k_pool/v_pool `[L, num_blocks, tokens_per_block, KV, hd]`; src_blocks/src_offsets and
+    k_pool/v_pool `[L, num_blocks, KV, tokens_per_block, hd]`; src_blocks/src_offsets and
     dst_blocks/dst_offsets `[B, R]` (pool block id and row within it); num_moves `[B]`: row b
     performs its first num_moves[b] moves, the rest of its entries are ignored (any values).
     Every source is read before any destination is written, so chains and swaps (a slot that
@@ -28,18 +28,20 @@ def relocate_kv_reference(k_pool: jax.Array, v_pool: jax.Array, src_blocks: jax.
     dst = jnp.where(valid, dst_blocks, num_blocks)  # out of range: the write is dropped
 
     def move(pool: jax.Array) -> jax.Array:
-        rows = pool[:, src_blocks, src_offsets]     # [L, B, R, KV, hd], all read first
-        return pool.at[:, dst, dst_offsets].set(rows, mode="drop")
+        # Advanced indices split by a slice put their dims first: rows are [B, R, L, KV, hd].
+        rows = pool[:, src_blocks, :, src_offsets]  # all read first
+        return pool.at[:, dst, :, dst_offsets].set(rows, mode="drop")
 
     return move(k_pool), move(v_pool)
 
 
 def gather_kv_pages_reference(pool: jax.Array, layer: jax.Array | int, block_tables: jax.Array,
                               *, interpret: bool | None = None) -> jax.Array:
-    """pool `[L, num_blocks, tokens_per_block, KV, hd]`, block_tables `[B, M]` ->
-    `[B, M * tokens_per_block, KV, hd]`: each request's pages at `layer`, in table order
-    (padded entries read the null block 0)."""
+    """pool `[L, num_blocks, KV, tokens_per_block, hd]`, block_tables `[B, M]` ->
+    `[B, KV, M, tokens_per_block, hd]`: each request's pages at `layer`, head by head, in
+    table order (padded entries read the null block 0)."""
     del interpret
-    B, M = block_tables.shape
-    _, _, bs, KV, hd = pool.shape
-    return jnp.asarray(pool)[layer, block_tables].reshape(B, M * bs, KV, hd)
+    KV = pool.shape[2]
+    # Indexing heads beside blocks gathers each (request, head, page) run straight to its
+    # head-major place: no transpose after the gather.
+    return jnp.asarray(pool)[layer, block_tables[:, None, :], jnp.arange(KV)[:, None]]

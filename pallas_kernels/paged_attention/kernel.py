@@ -72,8 +72,8 @@ def _attention_kernel(q_ref, pos_ref, tree_ref, k_ref, v_ref, bt_ref, lo_ref, hi
     def body(g, carry):
         acc, m, l = carry
         pages = bt_ref[b, pl.ds(g * P, P)]                     # [P]
-        k = k_ref[layer, pages, :, h, :].reshape(KB, hd)      # [KB, hd]
-        v = v_ref[layer, pages, :, h, :].reshape(KB, hd)
+        k = k_ref[layer, pages, h, :, :].reshape(KB, hd)      # [KB, hd]
+        v = v_ref[layer, pages, h, :, :].reshape(KB, hd)
         dt = jnp.result_type(q.dtype, k.dtype)
         scores = jax.lax.dot_general(q.astype(dt), k.astype(dt), (((1,), (1,)), ((), ())),
                                      precision=_PRECISION,
@@ -125,7 +125,7 @@ def default_rows_per_block(rows: int) -> int:
 def compiled_supported(q_shape, pool_shape, pages_per_step: int | None = None) -> bool:
     """Whether the compiled (Triton) kernel handles these static shapes."""
     _, _, H, hd = q_shape
-    _, _, bs, KV, hd_pool = pool_shape
+    _, _, KV, bs, hd_pool = pool_shape
     P = pages_per_step or default_pages_per_step(bs, 1 << 30)
     return (hd == hd_pool and H % KV == 0 and _is_pow2(bs) and _is_pow2(hd) and hd >= 16
             and _is_pow2(P) and P * bs >= 16)
@@ -139,7 +139,7 @@ def _paged_attention(q, k_pool, v_pool, layer, block_tables, q_positions, contex
     """tree: whether `tree_mask` is given (static: without a tree the program is the plain
     causal one, `tree_mask` unused)."""
     B, T, H, hd = q.shape
-    _, _, bs, KV, _ = k_pool.shape
+    _, _, KV, bs, _ = k_pool.shape
     G = H // KV
     M = block_tables.shape[1]
     P = pages_per_step
@@ -232,7 +232,7 @@ def paged_attention_kernel(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
     `tree_mask`: the draft-tree mask (see the reference); None compiles the plain causal kernel.
     """
     B, T, H, hd = q.shape
-    _, _, bs, KV, hd_pool = k_pool.shape
+    _, _, KV, bs, hd_pool = k_pool.shape
     if hd != hd_pool or H % KV:
         raise ValueError(f"q {q.shape} does not fit pools {k_pool.shape}")
     M = block_tables.shape[1]

@@ -32,33 +32,62 @@ def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax.A
     """
     B, T, H, hd = q.shape
     KV = k.shape[2]
-    G = H // KV
     # Heads-major operands make both products plain batched matmuls [B, KV] x [T*G, S]: on
     # XLA:CPU markedly faster than a five-index einsum, and the same on GPU.
-    qh = q.reshape(B, T, KV, G, hd).transpose(0, 2, 1, 3, 4).reshape(B, KV, T * G, hd)
+    qh = _query_rows(q, KV)
     kh, vh = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, KV, S, hd]
     scores = jnp.matmul(qh, kh.swapaxes(-1, -2)).astype(jnp.float32) * (hd ** -0.5)
+    visible = _row_visibility(q_positions, k_positions, window, k_valid, mask, H // KV)
+    probs, lse = masked_softmax(scores, visible)
+    out = jnp.matmul(probs.astype(v.dtype), vh)  # [B, KV, T*G, hd]
+    out, lse = _head_outputs(out, lse, T)
+    return (out, lse) if with_lse else out
+
+
+def _query_rows(q: jax.Array, num_kv_heads: int) -> jax.Array:
+    """q `[B, T, H, hd]` -> `[B, KV, T*G, hd]`: each KV head's queries, row t*G + g (G query
+    heads share a KV head)."""
+    B, T, H, hd = q.shape
+    G = H // num_kv_heads
+    return q.reshape(B, T, num_kv_heads, G, hd).transpose(0, 2, 1, 3, 4).reshape(
+        B, num_kv_heads, T * G, hd)
+
+
+def _head_outputs(out: jax.Array, lse: jax.Array, T: int) -> tuple[jax.Array, jax.Array]:
+    """`_query_rows`' order back: out `[B, KV, T*G, hd]`, lse `[B, KV, T*G, 1]` ->
+    (`[B, T, H, hd]`, `[B, T, H]`)."""
+    B, KV, rows, hd = out.shape
+    G = rows // T
+    out = out.reshape(B, KV, T, G, hd).transpose(0, 2, 1, 3, 4).reshape(B, T, KV * G, hd)
+    return out, lse.reshape(B, KV, T, G).transpose(0, 2, 1, 3).reshape(B, T, KV * G)
+
+
+def _row_visibility(q_positions: jax.Array, k_positions: jax.Array, window: jax.Array | int,
+                    k_valid: jax.Array | None, mask: jax.Array | None, G: int) -> jax.Array:
+    """`[B, 1, T*G, S]` bool, rows as `_query_rows`: which keys each query row sees (see
+    `dense_attention`). k_positions `[B, S]` or `[S]`."""
     if mask is None:
-        distance = jnp.repeat(q_positions, G, axis=1)[:, :, None] - k_positions[:, None, :]
+        distance = jnp.repeat(q_positions, G, axis=1)[:, :, None] - k_positions[..., None, :]
         mask = (distance >= 0) & (distance < window)  # [B, T*G, S], t-major like qh
     else:
         mask = jnp.repeat(mask, G, axis=1)  # [B, T*G, S], t-major like qh
     if k_valid is not None:
         mask = mask & k_valid[:, None, :]
-    mask = mask[:, None]
-    scores = jnp.where(mask, scores, -jnp.inf)
+    return mask[:, None]
+
+
+def masked_softmax(scores: jax.Array, visible: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Scores `[B, KV, T*G, S]` float32 over the keys `visible` (`_row_visibility`) ->
+    (probabilities, lse `[B, KV, T*G, 1]`: -inf where a row sees no key)."""
+    scores = jnp.where(visible, scores, -jnp.inf)
     top = jnp.max(scores, axis=-1, keepdims=True)
     top = jnp.where(jnp.isfinite(top), top, 0.0)
-    probs = jnp.where(mask, jnp.exp(scores - top), 0.0)
+    probs = jnp.where(visible, jnp.exp(scores - top), 0.0)
     total = jnp.sum(probs, axis=-1, keepdims=True)
     # Rows with no visible key get zeros, not NaN.
     probs = probs / jnp.maximum(total, 1e-30)
-    out = jnp.matmul(probs.astype(v.dtype), vh)  # [B, KV, T*G, hd]
-    out = out.reshape(B, KV, T, G, hd).transpose(0, 2, 1, 3, 4).reshape(B, T, H, hd)
-    if not with_lse:
-        return out
     lse = jnp.where(total > 0, top + jnp.log(jnp.maximum(total, 1e-30)), -jnp.inf)
-    return out, lse.reshape(B, KV, T, G).transpose(0, 2, 1, 3).reshape(B, T, H)
+    return probs, lse
 
 
 def merge_attention(a: tuple[jax.Array, jax.Array], b: tuple[jax.Array, jax.Array]
@@ -82,7 +111,8 @@ def merge_attention(a: tuple[jax.Array, jax.Array], b: tuple[jax.Array, jax.Arra
 def tree_visibility(q_positions: jax.Array, k_slots: jax.Array, window: jax.Array | int,
                     tree_mask: jax.Array) -> jax.Array:
     """`[B, T, S]` bool: which slots each query row of a draft-tree run may see, before the
-    context-length test (see `paged_attention_reference`). k_slots `[B, S]` or `[S]`."""
+    context-length test (see `paged_attention_reference`). k_slots `[B, S]` or `[S]`; the
+    slot of page m's offset s is m * tokens_per_block + s."""
     k_slots = jnp.broadcast_to(k_slots, (q_positions.shape[0], k_slots.shape[-1]))
     run_start = q_positions[:, :1]                                   # [B, 1]: the root
     j = (k_slots - run_start)[:, None, :]                            # [B, 1, S]
@@ -91,6 +121,33 @@ def tree_visibility(q_positions: jax.Array, k_slots: jax.Array, window: jax.Arra
     distance = q_positions[:, :, None] - k_slots[:, None, :]
     in_context = (distance >= 0) & (distance < window)
     return jnp.where(j >= 0, in_tree, in_context)
+
+
+def page_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax.Array,
+                   k_slots: jax.Array, context_lens: jax.Array, window: jax.Array | int,
+                   tree_mask: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+    """q `[B, T, H, hd]` over gathered pages k/v `[B, KV, M, bs, hd]`
+    (`gather_kv_pages_reference`) whose keys sit at slots `k_slots` `[M * bs]` (slot =
+    position), those below `context_lens` `[B]` written -> (out `[B, T, H, hd]` in v's dtype,
+    lse `[B, T, H]`). Masks as `paged_attention_reference`."""
+    B, T, H, hd = q.shape
+    _, KV, M, bs, _ = k.shape
+    dt = jnp.result_type(q, k)
+    # Pages times queries, the pages the product's lhs as gathered: XLA:CPU reads them in
+    # place. Flattened to keys `[B, KV, M*bs, hd]`, XLA turns the product around (queries
+    # times keys) and repacks every key as its rhs: about twice the time.
+    scores = jax.lax.dot_general(k.astype(dt), _query_rows(q, KV).astype(dt),
+                                 (((4,), (3,)), ((0, 1), (0, 1))))   # [B, KV, M, bs, T*G]
+    scores = scores.transpose(0, 1, 4, 2, 3).reshape(B, KV, -1, M * bs)
+    scores = scores.astype(jnp.float32) * (hd ** -0.5)
+    mask = None if tree_mask is None else tree_visibility(q_positions, k_slots, window,
+                                                          tree_mask)
+    visible = _row_visibility(q_positions, k_slots, window,
+                             k_slots < context_lens[:, None], mask, H // KV)
+    probs, lse = masked_softmax(scores, visible)
+    out = jax.lax.dot_general(probs.astype(v.dtype).reshape(B, KV, -1, M, bs), v,
+                              (((3, 4), (2, 3)), ((0, 1), (0, 1))))  # [B, KV, T*G, hd]
+    return _head_outputs(out, lse, T)
 
 
 def paged_attention_reference(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
@@ -102,7 +159,7 @@ def paged_attention_reference(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array
                               interpret: bool | None = None) -> jax.Array:
     """Attention of a run of query tokens per request over that request's cached positions.
 
-    q `[B, T, H, hd]`; k_pool/v_pool `[L, num_blocks, tokens_per_block, KV, hd]`, read at
+    q `[B, T, H, hd]`; k_pool/v_pool `[L, num_blocks, KV, tokens_per_block, hd]`, read at
     `layer` (indexing pool and blocks together gathers only the request's pages);
     block_tables `[B, M]` (padded with the null block 0); q_positions `[B, T]`;
     context_lens `[B]` = positions held in the pool for the request (the run's own K/V
@@ -127,19 +184,14 @@ def paged_attention_reference(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array
     `interpret` is accepted for signature parity with the kernel and ignored.
     """
     del interpret
-    B, M = block_tables.shape
+    M = block_tables.shape[1]
     if chunk_blocks is not None and chunk_blocks < M:
         return paged_attention_chunks(q, k_pool, v_pool, layer, block_tables, q_positions,
                                       context_lens, window, tree_mask, chunk_blocks)[0]
-    S = M * k_pool.shape[2]
     k = gather_kv_pages_reference(k_pool, layer, block_tables)
     v = gather_kv_pages_reference(v_pool, layer, block_tables)
-    k_positions = jnp.broadcast_to(jnp.arange(S), (B, S))
-    k_valid = k_positions < context_lens[:, None]
-    if tree_mask is None:
-        return dense_attention(q, k, v, q_positions, k_positions, window, k_valid)
-    mask = tree_visibility(q_positions, k_positions, window, tree_mask)
-    return dense_attention(q, k, v, q_positions, k_positions, window, k_valid, mask=mask)
+    slots = jnp.arange(M * k_pool.shape[3])
+    return page_attention(q, k, v, q_positions, slots, context_lens, window, tree_mask)[0]
 
 
 def paged_attention_chunks(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
@@ -151,25 +203,19 @@ def paged_attention_chunks(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
     """`paged_attention_reference` over `chunk_blocks` blocks of the table at a time, as many
     chunks as `max(context_lens)` needs -> (out `[B, T, H, hd]` float32, lse `[B, T, H]`: for
     `merge_attention` with keys that are not in the pool)."""
-    B, M = block_tables.shape
-    T, H, hd = q.shape[1:]
-    bs = k_pool.shape[2]
+    M = block_tables.shape[1]
     chunks = -(-M // chunk_blocks)
     tables = jnp.pad(block_tables, ((0, 0), (0, chunks * chunk_blocks - M)))  # null block
-    S = chunk_blocks * bs
+    S = chunk_blocks * k_pool.shape[3]
     slots = jnp.arange(S)
 
     def chunk(i, acc):
         t = jax.lax.dynamic_slice_in_dim(tables, i * chunk_blocks, chunk_blocks, axis=1)
         k = gather_kv_pages_reference(k_pool, layer, t)
         v = gather_kv_pages_reference(v_pool, layer, t)
-        k_positions = jnp.broadcast_to(i * S + slots, (B, S))
-        k_valid = k_positions < context_lens[:, None]
-        mask = None if tree_mask is None else tree_visibility(q_positions, k_positions,
-                                                              window, tree_mask)
-        part = dense_attention(q, k, v, q_positions, k_positions, window, k_valid, mask=mask,
-                               with_lse=True)
-        return merge_attention(acc, (part[0].astype(jnp.float32), part[1]))
+        out, lse = page_attention(q, k, v, q_positions, i * S + slots, context_lens, window,
+                                  tree_mask)
+        return merge_attention(acc, (out.astype(jnp.float32), lse))
 
     needed = jnp.minimum((jnp.max(context_lens) + S - 1) // S, chunks)
     # Made from q, so that under shard_map the carry varies over the mesh as the body's does.

@@ -4,8 +4,8 @@ Each XLA flag set runs in its own child process (XLA reads XLA_FLAGS once, when 
 starts) on the same random 27.8M Llama checkpoint, timing the target's compiled generation
 step for 1 and 5 query tokens at batch 1 and 8 (best of 3 rounds of 20 calls). The first
 child also times the layer layouts the engine could run: `lax.scan` over stacked layers and
-unrolled layers, each with and without q/k/v and gate/up fused (the engine runs scan+fused;
-`EngineConfig.scan_layers=False` unrolls).
+unrolled layers, each with and without q/k/v and gate/up fused (on CPU the engine runs
+unrolled+fused; `scan_layers=True` scans).
 The flags specjax sets by default are in `specjax/xla_flags.py`; this bench is how they were
 chosen.
 """
@@ -76,12 +76,14 @@ def run(args: argparse.Namespace) -> None:
         return
     from flax import nnx
 
+    from specjax.analysis.timing import cpu_name
     from specjax.bench.decode import RANDOM_28M
     from specjax.models import Llama, save_hf_checkpoint
     from specjax.xla_flags import DEFAULT_FLAGS
 
     print(f"specjax's default XLA flags: {' '.join(DEFAULT_FLAGS) or '(none)'}; compiled "
-          f"generation step in ms at position {args.position}, best of 3 rounds of 20 calls")
+          f"generation step in ms at position {args.position}, best of 3 rounds of 20 calls, "
+          f"on {cpu_name()} ({os.cpu_count()} cores)")
     print(f"\n{'extra flags':<72} {'b1 t(1)':>8} {'b1 t(5)':>8} {'b8 t(1)':>8} {'b8 t(5)':>8}")
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / "random-28m"

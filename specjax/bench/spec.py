@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import time
 from pathlib import Path
 
@@ -36,7 +37,7 @@ import jax
 
 from specjax.bench.table import Column, Table
 from specjax.analysis import at_least, efficiency, output_acceptance
-from specjax.analysis.timing import decode_rate, time_generation_steps
+from specjax.analysis.timing import cpu_name, decode_rate, time_generation_steps
 from specjax.cli import require
 from specjax.core.aux_state import aux_bytes_per_slot
 from specjax.llm import LLM
@@ -320,7 +321,7 @@ def run(args: argparse.Namespace) -> None:
     print(f"target: {path.name} ({cfg.num_params / 1e6:.1f}M params), batch {args.batch_size}, "
           f"{len(prompts)} prompts ({', '.join(f'{k} {len(v)}' for k, v in sets.items())}) "
           f"x {args.max_tokens} tokens, greedy, jax {jax.__version__} "
-          f"on {jax.devices()[0].platform}")
+          f"on {jax.devices()[0].platform} ({cpu_name()}, {os.cpu_count()} cores)")
     # Machine noise on a shared CPU moves whole runs by 20%: each method alternates with
     # plain decoding `--repeats` times, and each side keeps its fastest run for speed.
     # Exactness and acceptance are taken over every run, not just the fastest.

@@ -9,7 +9,6 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from pallas_kernels.kv_gather import gather_kv_pages
 from pallas_kernels.paged_attention import paged_attention, paged_attention_chunks
 from specjax.core.batch import StepBatch
 from specjax.core.kv import NULL_BLOCK, KVPool
@@ -60,9 +59,11 @@ class PagedAttention:
         self.blocks, self.offsets = kv_destinations(batch, tokens_per_block)
 
     def write(self, k: jax.Array, v: jax.Array, layer, pool: KVPool) -> KVPool:
-        return pool.replace(
-            k=pool.k.at[layer, self.blocks, self.offsets].set(k.astype(pool.k.dtype)),
-            v=pool.v.at[layer, self.blocks, self.offsets].set(v.astype(pool.v.dtype)))
+        # Index arrays split by the heads' slice put their dims first: the update is k's
+        # own `[B, T, KV, hd]`.
+        where = (layer, self.blocks, slice(None), self.offsets)
+        return pool.replace(k=pool.k.at[where].set(k.astype(pool.k.dtype)),
+                            v=pool.v.at[where].set(v.astype(pool.v.dtype)))
 
     def read(self, q: jax.Array, layer, pool: KVPool) -> jax.Array:
         window = NO_WINDOW if self.windows is None else self.windows[layer]
@@ -79,20 +80,6 @@ class PagedAttention:
     def attend(self, q, k, v, layer, pool: KVPool) -> tuple[jax.Array, KVPool]:
         pool = self.write(k, v, layer, pool)
         return self.read(q, layer, pool), pool
-
-
-def gather_context(pool: KVPool, layer: int, block_tables: jax.Array, context_lens: jax.Array
-                   ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """One pool layer of each row's blocks as dense keys and values `[B, M * bs, KV, hd]`, with
-    their positions `[B, M * bs]` and validity (position < context_lens `[B]`): what paged
-    attention reads, gathered once for several queries that attend to the same context."""
-    B, M = block_tables.shape
-    S = M * pool.tokens_per_block
-    positions = jnp.broadcast_to(jnp.arange(S), (B, S))
-    gather = heads_local(lambda pages, tables: gather_kv_pages(pages, layer, tables),
-                         pool.mesh, (POOL, P()), HEADS)
-    return (gather(pool.k, block_tables), gather(pool.v, block_tables),
-            positions, positions < context_lens[:, None])
 
 
 def context_attention(q: jax.Array, pool: KVPool, layer, block_tables: jax.Array,

@@ -43,7 +43,7 @@ ROW = ("o_proj", "down_proj")
 SPLIT_AXIS = {**{n: -1 for n in COLUMN}, **{n: -2 for n in ROW}, "embed": 0, "lm_head": -1}
 
 HEADS = P(None, None, TP, None)              # q / attention output [B, T, H, hd]
-POOL = P(None, None, None, TP, None)         # K/V pool [L, N, bs, KV, hd]
+POOL = P(None, None, TP, None, None)         # K/V pool [L, N, KV, bs, hd]
 
 
 def make_mesh(size: int, devices: Sequence[jax.Device] | None = None) -> Mesh:

@@ -102,7 +102,7 @@ class Params:
 class EngineState:
     """Everything a step reads and writes on the device."""
 
-    target: KVPool           # [L, N, bs, KV, hd]: the target's pool
+    target: KVPool           # [L, N, KV, bs, hd]: the target's pool
     slots: SlotState         # per-slot newest token, drafts and their distributions
     draft: KVPool | None = None  # the in-step drafter's pool (same block tables), or None
     suffix: SuffixState | None = None  # SA's per-slot token history, or None

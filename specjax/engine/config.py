@@ -146,8 +146,11 @@ class EngineConfig:
     # `specjax.core.recurrent` for what each costs.
     recurrent_commit: str = "replay"
     # Run the target's layers under `lax.scan` (one layer body per compiled program) or
-    # unrolled (L copies: compiles L times longer; see `specjax.models.llama`).
-    scan_layers: bool = True
+    # unrolled (L copies: warm-up about 20% longer on the bundled model; see
+    # `specjax.models.llama`). None: unrolled on CPU, where XLA copies each scanned layer's
+    # weights out of the stack before its matmuls, so a memory-bound step reads every weight
+    # twice (`python -m specjax.bench cpu`); scanned on accelerators.
+    scan_layers: bool | None = None
 
     def __post_init__(self):
         for name in ("max_batch_size", "tokens_per_block", "prefill_chunk", "max_prefill_rows",
@@ -179,6 +182,13 @@ class EngineConfig:
     @property
     def decode_buckets(self) -> tuple[int, ...]:
         return self.batch_sizes or power_of_two_buckets(self.max_batch_size)
+
+    def layers_scanned(self) -> bool:
+        """Whether the steps run the target's layers under `lax.scan` (`scan_layers`)."""
+        if self.scan_layers is not None:
+            return self.scan_layers
+        devices = self.mesh.devices.flat if self.mesh is not None else jax.devices()
+        return next(iter(devices)).platform != "cpu"
 
     def tensor_parallel(self) -> TensorParallel | None:
         """The mesh the steps run on; None for one device."""

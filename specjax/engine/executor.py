@@ -46,7 +46,7 @@ class Executor:
         spec, mc = speculation, model.config
         worker, suffix, save_layers = spec.worker, spec.suffix, spec.save_layers
         graphdef, params = split_model(model, spec.draft_model, fused=tp is None,
-                                       scan_layers=config.scan_layers)
+                                       scan_layers=config.layers_scanned())
         make_state = lambda: init_state(mc, num_slots=config.max_batch_size,
                                         num_blocks=num_blocks,
                                         tokens_per_block=config.tokens_per_block,

@@ -27,8 +27,8 @@ def test_chunked_reads_equal_the_whole_table(tree, window):
     B, T, H, KV, hd, bs, M, N = 3, 4, 4, 2, 8, 4, 10, 40
     keys = jax.random.split(jax.random.key(0), 4)
     q = jax.random.normal(keys[0], (B, T, H, hd))
-    k_pool = jax.random.normal(keys[1], (2, N, bs, KV, hd))
-    v_pool = jax.random.normal(keys[2], (2, N, bs, KV, hd))
+    k_pool = jax.random.normal(keys[1], (2, N, KV, bs, hd))
+    v_pool = jax.random.normal(keys[2], (2, N, KV, bs, hd))
     tables = 1 + jax.random.permutation(keys[3], N - 1)[:B * M].reshape(B, M)
     tree_mask = jnp.asarray([[1, 3, 5, 9]] * B, jnp.int32) if tree else None
     read = jax.jit(lambda lens, pos: paged_attention_chunks(
@@ -93,21 +93,24 @@ def test_contexts_across_widths_are_exact(mode, long_model, prompts_and_refs):
 
 
 def test_the_step_holds_one_layer_and_one_attention_body():
-    """Scanned layers and chunked table reads: the generation step's program does not grow
-    with the model's depth or its maximum length (unrolled layers, or a branch per table
-    width, would)."""
-    def program(layers: int, max_len: int) -> int:
+    """Scanned layers (`scan_layers=True`, the default off CPU) and chunked table reads: the
+    generation step's program does not grow with the model's depth, nor with its maximum
+    length (a branch per table width would); unrolled layers (the CPU default) grow with
+    depth alone."""
+    def program(layers: int, max_len: int, scan: bool) -> int:
         model = Llama(TINY.replace(num_layers=layers, max_position_embeddings=max_len),
                       rngs=nnx.Rngs(0))
-        llm = specjax.LLM(model, max_batch_size=2, tokens_per_block=4, progress=False)
+        llm = specjax.LLM(model, max_batch_size=2, tokens_per_block=4, scan_layers=scan,
+                          progress=False)
         ex = llm.engine.executor
         batch = empty_batch(2, 3, ex.blocks_per_seq, ex.spare_slot)
         return len(ex.steps["generation"].lower(ex.params, ex.state, batch).as_text()
                    .splitlines())
 
-    base = program(2, 256)
-    assert program(6, 256) == base
-    assert program(2, 2048) == base
+    base = program(2, 256, True)
+    assert program(6, 256, True) == base
+    assert program(2, 2048, True) == base
+    assert program(2, 2048, False) == program(2, 256, False)
 
 
 def test_a_batch_of_the_wrong_shape_is_refused_by_name():

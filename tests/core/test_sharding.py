@@ -41,7 +41,7 @@ def test_the_drafter_is_replicated_and_the_pool_split_by_kv_heads(tp):
                         slots=make_slot_state(2, 1),
                         draft=make_kv_pool(1, 2, 8, 4, 4, "float32"))
     placed = tp.state_shardings(state)
-    assert placed.target.k.spec == P(None, None, None, "tp", None)
+    assert placed.target.k.spec == P(None, None, "tp", None, None)
     assert placed.draft.k.spec == P() and placed.slots.run.spec == P()
 
 

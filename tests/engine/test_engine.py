@@ -240,3 +240,17 @@ def test_one_batch_size_pads_every_batch_to_it(tiny_model, references):
                                            (PROMPTS[0], PROMPTS[2], PROMPTS[4])]
     allocator = llm.engine.allocator
     assert allocator.num_free_blocks == allocator.total_blocks
+
+
+def test_scanned_and_unrolled_layers_give_the_same_tokens(tiny_model, tiny_llm, references):
+    """CPU engines unroll the target's layers by default (one weight set per layer);
+    `scan_layers=True` runs them under `lax.scan` over stacked weights. Both must emit plain
+    greedy decoding's tokens."""
+    assert not tiny_llm.engine.config.layers_scanned()
+    assert set(tiny_llm.engine.executor.params.target["layers"]) == {0, 1}
+    scanned = specjax.LLM(tiny_model, max_batch_size=4, tokens_per_block=4, prefill_chunk=8,
+                          max_prefill_rows=2, num_kv_blocks=80, scan_layers=True,
+                          progress=False)
+    assert "gate_up_proj" in scanned.engine.executor.params.target["layers"]
+    outs = scanned.generate(PROMPTS, SamplingParams(max_tokens=12))
+    assert [o.token_ids for o in outs] == [references[tuple(p)] for p in PROMPTS]

@@ -58,10 +58,16 @@ def check_placement(results: dict, sizes: list[int]) -> None:
              "down_proj": "(None, 'tp', None)"}
     for size in sizes:
         placement = results["plain"][str(size)]["placement"]
-        expected = {**{f"layers.{k}": v for k, v in split.items()},
-                    "layers.input_norm": "()", "layers.post_norm": "()",
-                    "final_norm": "()", "embed": "('tp', None)", "lm_head": "(None, 'tp')",
-                    "kv_pool.k": "(None, None, None, 'tp')"}
+        layer = {**split, "input_norm": "()", "post_norm": "()"}
+        unrolled = "layers.0.input_norm" in placement  # the CPU default: no `[L]` axis
+        if unrolled:
+            count = len({k.split(".")[1] for k in placement if k.startswith("layers.")})
+            layers = {f"layers.{i}.{k}": spec.replace("(None, ", "(", 1)
+                      for i in range(count) for k, spec in layer.items()}
+        else:
+            layers = {f"layers.{k}": spec for k, spec in layer.items()}
+        expected = {**layers, "final_norm": "()", "embed": "('tp', None)",
+                    "lm_head": "(None, 'tp')", "kv_pool.k": "(None, None, 'tp')"}
         assert {k: v["spec"] for k, v in placement.items()} == expected
         for name, p in placement.items():
             share = size if p["spec"] != "()" else 1

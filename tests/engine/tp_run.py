@@ -61,11 +61,14 @@ def speculation(mode, target, perm):
 
 
 def placement(llm) -> dict:
-    """Each target weight (the stacked layers `[L, ...]`, embedding, head) and the pool: spec,
-    bytes on one device, total bytes."""
+    """Each target weight (the stacked layers `[L, ...]`, or each unrolled layer's, embedding,
+    head) and the pool: spec, bytes on one device, total bytes."""
     executor = llm.engine.executor
     target = executor.params.target
-    named = {**{f"layers.{k}": v for k, v in target["layers"].items()},
+    layers = target["layers"]
+    if "input_norm" not in layers:  # unrolled (the CPU default): one weight set per layer
+        layers = {f"{i}.{k}": v for i, layer in layers.items() for k, v in layer.items()}
+    named = {**{f"layers.{k}": v for k, v in layers.items()},
              **{k: v for k, v in target.items() if k != "layers"},
              "kv_pool.k": executor.state.target.k}
     return {name: dict(spec=str(tuple(a.sharding.spec)),

@@ -96,7 +96,7 @@ def test_public_paged_attention_uses_the_reference_for_unsupported_shapes_on_gpu
     monkeypatch.setattr(pa, "paged_attention_kernel",
                         lambda *a, **k: pytest.fail("kernel called for unsupported shapes"))
     q = jnp.ones((1, 1, 2, 8))
-    pool = jnp.ones((1, 3, 4, 1, 8))
+    pool = jnp.ones((1, 3, 1, 4, 8))
     out = pa.paged_attention(q, pool, pool, 0, jnp.ones((1, 1), jnp.int32),
                              jnp.zeros((1, 1), jnp.int32), jnp.ones(1, jnp.int32))
     np.testing.assert_allclose(np.asarray(out), 1.0)
@@ -125,15 +125,15 @@ def test_paged_attention_kernel_lowers_for_gpu():
     n = _lowers_to_triton(
         lambda q, k, v, bt, pos, ctx, w: paged_attention_kernel(q, k, v, 1, bt, pos, ctx, w,
                                                                 interpret=False),
-        S((B, T, H, hd), jnp.bfloat16), S((L, N, bs, KV, hd), jnp.bfloat16),
-        S((L, N, bs, KV, hd), jnp.bfloat16), S((B, M), jnp.int32), S((B, T), jnp.int32),
+        S((B, T, H, hd), jnp.bfloat16), S((L, N, KV, bs, hd), jnp.bfloat16),
+        S((L, N, KV, bs, hd), jnp.bfloat16), S((B, M), jnp.int32), S((B, T), jnp.int32),
         S((B,), jnp.int32), S((), jnp.int32))
     assert n == 1
 
 
 def test_kv_kernels_lower_for_gpu():
-    L, N, bs, KV, hd, B, R, M = 4, 64, 16, 2, 96, 3, 5, 7  # KV*hd = 192: masked rows
-    pool = S((L, N, bs, KV, hd), jnp.bfloat16)
+    L, N, KV, bs, hd, B, R, M = 4, 64, 3, 16, 96, 3, 5, 7  # a token's [3, 96]: masked tile
+    pool = S((L, N, KV, bs, hd), jnp.bfloat16)
     idx = S((B, R), jnp.int32)
     assert _lowers_to_triton(lambda *a: relocate_kv_kernel(*a, interpret=False), pool, pool,
                              idx, idx, idx, idx, S((B,), jnp.int32)) == 2

@@ -9,21 +9,21 @@ from pallas_kernels.kv_gather import (gather_kv_pages, gather_kv_pages_kernel,
                                       gather_kv_pages_reference, relocate_kv, relocate_kv_kernel,
                                       relocate_kv_reference)
 
-L, N, BS, KV, HD = 3, 7, 4, 3, 5  # KV * HD = 15 and BS * KV * HD = 60: masked vectors
+L, N, KV, BS, HD = 3, 7, 3, 4, 5  # KV = 3, HD = 5 and BS * HD = 20: masked tiles and vectors
 
 
 def pools(seed=0, dtype=np.float32):
     rng = np.random.default_rng(seed)
-    return (rng.normal(size=(L, N, BS, KV, HD)).astype(dtype),
-            rng.normal(size=(L, N, BS, KV, HD)).astype(dtype))
+    return (rng.normal(size=(L, N, KV, BS, HD)).astype(dtype),
+            rng.normal(size=(L, N, KV, BS, HD)).astype(dtype))
 
 
 def numpy_relocate(pool, sb, so, db, do, n):
     out = pool.copy()
-    rows = {(b, r): pool[:, sb[b, r], so[b, r]].copy()
+    rows = {(b, r): pool[:, sb[b, r], :, so[b, r]].copy()
             for b in range(len(n)) for r in range(n[b])}  # every source read first
     for (b, r), row in rows.items():
-        out[:, db[b, r], do[b, r]] = row
+        out[:, db[b, r], :, do[b, r]] = row
     return out
 
 
@@ -57,10 +57,10 @@ def test_relocate_matches_reference_and_numpy(relocate_fns):
     np.testing.assert_array_equal(np.asarray(out_k), want_k)
     np.testing.assert_array_equal(np.asarray(out_v), want_v)
     # The chain really moved data: slot (1, 1) now holds what (1, 2) held, in every layer.
-    np.testing.assert_array_equal(np.asarray(out_k)[:, 1, 1], k[:, 1, 2])
-    np.testing.assert_array_equal(np.asarray(out_k)[:, 1, 2], k[:, 1, 3])
+    np.testing.assert_array_equal(np.asarray(out_k)[:, 1, :, 1], k[:, 1, :, 2])
+    np.testing.assert_array_equal(np.asarray(out_k)[:, 1, :, 2], k[:, 1, :, 3])
     # Untouched: block 6 entirely, and everything but the moved slots.
-    changed = np.any(np.asarray(out_k) != k, axis=(0, 3, 4))
+    changed = np.any(np.asarray(out_k) != k, axis=(0, 2, 4))
     assert set(zip(*np.nonzero(changed))) <= {(1, 1), (1, 2), (1, 3), (3, 0), (3, 1), (3, 2),
                                               (3, 3), (5, 0)}
 
@@ -94,7 +94,7 @@ def test_gather_pages_matches_reference(chunk):
     for layer in (0, 2):
         out = gather(pool, layer, tables)
         ref = gather_kv_pages_reference(jnp.asarray(pool), layer, jnp.asarray(tables))
-        want = pool[layer][tables].reshape(3, 3 * BS, KV, HD)
+        want = pool[layer][tables].transpose(0, 2, 1, 3, 4)  # [B, KV, M, BS, HD]
         np.testing.assert_array_equal(np.asarray(ref), want)
         np.testing.assert_array_equal(np.asarray(out), want)
 
@@ -102,10 +102,10 @@ def test_gather_pages_matches_reference(chunk):
 def test_public_names_dispatch():
     pool, v = pools(4)
     tables = np.array([[1, 2]], np.int32)
-    want = pool[1][tables].reshape(1, 2 * BS, KV, HD)
+    want = pool[1][tables].transpose(0, 2, 1, 3, 4)
     np.testing.assert_array_equal(np.asarray(gather_kv_pages(pool, 1, tables)), want)
     np.testing.assert_array_equal(
         np.asarray(gather_kv_pages(pool, 1, tables, interpret=True)), want)
     one = np.ones((1, 1), np.int32)
     out_k, _ = relocate_kv(pool, v, one, one, one + 1, one, np.ones(1, np.int32))
-    np.testing.assert_array_equal(np.asarray(out_k)[:, 2, 1], pool[:, 1, 1])
+    np.testing.assert_array_equal(np.asarray(out_k)[:, 2, :, 1], pool[:, 1, :, 1])

@@ -24,8 +24,8 @@ def test_matches_dense_over_ragged_runs(window):
     k_full = rng.normal(size=(len(rows), total, KV, HD)).astype(np.float32)
     v_full = rng.normal(size=(len(rows), total, KV, HD)).astype(np.float32)
     q = rng.normal(size=(len(rows), T, H, HD)).astype(np.float32)
-    k_pool = rng.normal(size=(L, NUM_BLOCKS, BS, KV, HD)).astype(np.float32)  # garbage
-    v_pool = rng.normal(size=(L, NUM_BLOCKS, BS, KV, HD)).astype(np.float32)
+    k_pool = rng.normal(size=(L, NUM_BLOCKS, KV, BS, HD)).astype(np.float32)  # garbage
+    v_pool = rng.normal(size=(L, NUM_BLOCKS, KV, BS, HD)).astype(np.float32)
     tables = np.zeros((len(rows), M), np.int32)
     free = list(rng.permutation(np.arange(1, NUM_BLOCKS)))  # scattered, out-of-order pages
     layer = 1
@@ -33,8 +33,8 @@ def test_matches_dense_over_ragged_runs(window):
         for j in range(-(-(cached + n) // BS)):
             tables[b, j] = free.pop()
         for p in range(cached + n):
-            k_pool[layer, tables[b, p // BS], p % BS] = k_full[b, p]
-            v_pool[layer, tables[b, p // BS], p % BS] = v_full[b, p]
+            k_pool[layer, tables[b, p // BS], :, p % BS] = k_full[b, p]
+            v_pool[layer, tables[b, p // BS], :, p % BS] = v_full[b, p]
     start = np.array([c for c, _ in rows], np.int32)
     positions = start[:, None] + np.arange(T)
     context = np.array([c + n for c, n in rows], np.int32)
@@ -56,7 +56,7 @@ def test_matches_dense_over_ragged_runs(window):
 def test_jits():
     f = jax.jit(paged_attention_reference)
     q = jnp.ones((1, 1, H, HD))
-    pool = jnp.ones((L, NUM_BLOCKS, BS, KV, HD))
+    pool = jnp.ones((L, NUM_BLOCKS, KV, BS, HD))
     out = f(q, pool, pool, 0, jnp.ones((1, 2), jnp.int32), jnp.zeros((1, 1), jnp.int32),
             jnp.ones(1, jnp.int32), 2**30)
     np.testing.assert_allclose(np.asarray(out), 1.0, rtol=1e-6)
@@ -71,8 +71,8 @@ def ragged_setup(rows, T, M, dtype=np.float32, seed=0, poison=None):
     the null block 0 and every page no query can see (wholly before the window `poison`) with
     NaN, so a kernel that read them would return NaN."""
     rng = np.random.default_rng(seed)
-    k_pool = rng.normal(size=(L, NUM_BLOCKS, BS, KV, HD)).astype(np.float32)
-    v_pool = rng.normal(size=(L, NUM_BLOCKS, BS, KV, HD)).astype(np.float32)
+    k_pool = rng.normal(size=(L, NUM_BLOCKS, KV, BS, HD)).astype(np.float32)
+    v_pool = rng.normal(size=(L, NUM_BLOCKS, KV, BS, HD)).astype(np.float32)
     q = rng.normal(size=(len(rows), T, H, HD)).astype(np.float32)
     tables = np.zeros((len(rows), M), np.int32)
     free = list(rng.permutation(np.arange(1, NUM_BLOCKS)))
@@ -182,10 +182,10 @@ def test_public_name_inside_jit_like_the_engine_step():
 
 
 def test_compiled_support_rules():
-    assert compiled_supported((2, 8, 32, 128), (4, 100, 16, 8, 128))
-    assert not compiled_supported((2, 8, 32, 8), (4, 100, 16, 8, 8))       # head_dim < 16
-    assert not compiled_supported((2, 8, 32, 96), (4, 100, 16, 8, 96))     # head_dim not 2^k
-    assert not compiled_supported((2, 8, 32, 128), (4, 100, 12, 8, 128))   # block size not 2^k
+    assert compiled_supported((2, 8, 32, 128), (4, 100, 8, 16, 128))
+    assert not compiled_supported((2, 8, 32, 8), (4, 100, 8, 16, 8))       # head_dim < 16
+    assert not compiled_supported((2, 8, 32, 96), (4, 100, 8, 16, 96))     # head_dim not 2^k
+    assert not compiled_supported((2, 8, 32, 128), (4, 100, 8, 12, 128))   # block size not 2^k
 
 
 # --- draft-tree masks ------------------------------------------------------------------------
@@ -228,8 +228,8 @@ def tree_setup(rows, T, M, seed=0, chain=False):
     tables, positions, tree masks, context lens, and per request (parents, k_full, v_full)
     with k_full/v_full [slots, KV, HD] as written."""
     rng = np.random.default_rng(seed)
-    k_pool = rng.normal(size=(L, TREE_BLOCKS, BS, KV, HD)).astype(np.float32)  # garbage
-    v_pool = rng.normal(size=(L, TREE_BLOCKS, BS, KV, HD)).astype(np.float32)
+    k_pool = rng.normal(size=(L, TREE_BLOCKS, KV, BS, HD)).astype(np.float32)  # garbage
+    v_pool = rng.normal(size=(L, TREE_BLOCKS, KV, BS, HD)).astype(np.float32)
     q = rng.normal(size=(len(rows), T, H, HD)).astype(np.float32)
     tables = np.zeros((len(rows), M), np.int32)
     positions = np.zeros((len(rows), T), np.int32)
@@ -248,8 +248,9 @@ def tree_setup(rows, T, M, seed=0, chain=False):
         positions[b] = cached
         positions[b, :n] = cached + np.asarray(depths, np.int32)
         masks[b] = tree_bitmasks(parents, T)
-        k_full = k_pool[1, tables[b]].reshape(M * BS, KV, HD)[:context[b]].copy()
-        v_full = v_pool[1, tables[b]].reshape(M * BS, KV, HD)[:context[b]].copy()
+        by_slot = lambda pool: pool[1, tables[b]].transpose(0, 2, 1, 3).reshape(M * BS, KV, HD)
+        k_full = by_slot(k_pool)[:context[b]].copy()
+        v_full = by_slot(v_pool)[:context[b]].copy()
         trees.append((parents, k_full, v_full))
     return (jnp.asarray(q), jnp.asarray(k_pool), jnp.asarray(v_pool), jnp.asarray(tables),
             jnp.asarray(positions), jnp.asarray(masks), jnp.asarray(context), trees)
@@ -358,8 +359,8 @@ def test_tree_hides_non_ancestors(kernel_fn):
     parents = [-1, 0, 0, 1, 2]
     rng = np.random.default_rng(7)
     q = jnp.asarray(rng.normal(size=(1, T, H, HD)), jnp.float32)
-    k_pool = rng.normal(size=(L, TREE_BLOCKS, BS, KV, HD)).astype(np.float32)
-    v_pool = rng.normal(size=(L, TREE_BLOCKS, BS, KV, HD)).astype(np.float32)
+    k_pool = rng.normal(size=(L, TREE_BLOCKS, KV, BS, HD)).astype(np.float32)
+    v_pool = rng.normal(size=(L, TREE_BLOCKS, KV, BS, HD)).astype(np.float32)
     tables = jnp.asarray([[3, 1, 7, 0]], jnp.int32)
     positions = jnp.asarray([[cached + d for d in (0, 1, 1, 2, 2)]], jnp.int32)
     masks = jnp.asarray(tree_bitmasks(parents, T)[None])
@@ -367,7 +368,7 @@ def test_tree_hides_non_ancestors(kernel_fn):
     slot = cached + 2  # node 2
     poisoned = [p.copy() for p in (k_pool, v_pool)]
     for p in poisoned:
-        p[:, tables[0, slot // BS], slot % BS] = 1e4
+        p[:, tables[0, slot // BS], :, slot % BS] = 1e4
     for fn in (reference_fn, kernel_fn(1, 2, None)):
         clean = np.asarray(fn(q, jnp.asarray(k_pool), jnp.asarray(v_pool), 1, tables, positions,
                               context, NO_WINDOW, masks))
@@ -397,7 +398,7 @@ def test_tree_kernel_lowers_for_gpu():
     B, T, H_, KV_, hd, bs, N, M = 4, 17, 32, 8, 128, 16, 512, 40
     fn = lambda q, k, v, bt, pos, ctx, w, tm: paged_attention_kernel(
         q, k, v, 1, bt, pos, ctx, w, tm, interpret=False)
-    pool = S((L, N, bs, KV_, hd), jnp.bfloat16)
+    pool = S((L, N, KV_, bs, hd), jnp.bfloat16)
     text = jax.jit(fn).trace(
         S((B, T, H_, hd), jnp.bfloat16), pool, pool, S((B, M), jnp.int32), S((B, T), jnp.int32),
         S((B,), jnp.int32), S((), jnp.int32), S((B, T), jnp.int32)

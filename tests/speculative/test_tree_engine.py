@@ -261,8 +261,9 @@ def test_hand_built_tree_accepts_its_known_path_and_relocates_its_kv(perm_target
     pool = engine.executor.state.target
     blocks = engine.allocator.blocks(rid)
     bs = pool.tokens_per_block
-    got_k = np.stack([np.asarray(pool.k[:, blocks[i // bs], i % bs]) for i in range(start)], 1)
-    got_v = np.stack([np.asarray(pool.v[:, blocks[i // bs], i % bs]) for i in range(start)], 1)
+    row = lambda kv, i: np.asarray(kv[:, blocks[i // bs], :, i % bs])  # [L, KV, hd]
+    got_k = np.stack([row(pool.k, i) for i in range(start)], 1)
+    got_v = np.stack([row(pool.v, i) for i in range(start)], 1)
     want_k, want_v = dense_kv(target, prompt + g[:3])
     np.testing.assert_allclose(got_k, want_k, atol=2e-5)
     np.testing.assert_allclose(got_v, want_v, atol=2e-5)
