@@ -42,13 +42,12 @@ def time_generation_steps(engine: Engine, batch_size: int, widths: Sequence[int]
     run from slot state (`runs_on_device`) and moves one position per call, as the engine's
     does: its rows' slots are set before each round so that the round's calls centre on
     `start_pos`; wider runs come from the batch and stay at `start_pos`. Rows use the engine's
-    own slots 0 .. batch_size-1 (the engine is idle: a request's prefill rewrites its slot).
-    The widths alternate for `rounds` rounds of `iters` calls each and each keeps its fastest
-    round, so machine noise hits them alike."""
+    own slots 0 .. batch_size-1 (the engine is idle: a request's prefill rewrites its slot)
+    and KV blocks taken from its allocator and given back after: blocks picked by number could
+    be a cached prompt's, and the next request that hit the prefix cache would read the
+    garbage written there. The widths alternate for `rounds` rounds of `iters` calls each and
+    each keeps its fastest round, so machine noise hits them alike."""
     ex = engine.executor
-    fn = make_generation_step(ex.graphdef)
-    params = Params(target=ex.params.target)
-    rows = next(b for b in ex.decode_buckets if b >= batch_size)
     if batch_size > ex.spare_slot:
         raise ValueError(f"batch_size {batch_size} > the engine's {ex.spare_slot} slots")
     first = start_pos - iters // 2  # a width-1 round runs from here to first + iters - 1
@@ -59,8 +58,28 @@ def time_generation_steps(engine: Engine, batch_size: int, widths: Sequence[int]
     if blocks > ex.blocks_per_seq:
         raise ValueError(f"positions up to {last} need {blocks} blocks per sequence; the "
                          f"engine has {ex.blocks_per_seq}")
-    total = engine.allocator.total_blocks
-    tables = [list(1 + (i * blocks + np.arange(blocks)) % total) for i in range(batch_size)]
+    alloc = engine.allocator
+    if batch_size * blocks > alloc.num_free_blocks:
+        raise ValueError(f"{batch_size} rows of {blocks} blocks need {batch_size * blocks} free "
+                         f"KV blocks; the engine has {alloc.num_free_blocks}")
+    seq_ids = [-1 - i for i in range(batch_size)]  # request ids are >= 0
+    for seq in seq_ids:
+        alloc.allocate(seq)
+        alloc.add_tokens(seq, blocks * engine.config.tokens_per_block)
+    try:
+        return _time_steps(engine, batch_size, widths, start_pos, iters, rounds, first,
+                           [alloc.blocks(seq) for seq in seq_ids])
+    finally:
+        for seq in seq_ids:
+            alloc.free(seq)
+
+
+def _time_steps(engine: Engine, batch_size: int, widths: Sequence[int], start_pos: int,
+                iters: int, rounds: int, first: int, tables: list[list[int]]) -> list[float]:
+    ex = engine.executor
+    fn = make_generation_step(ex.graphdef)
+    params = Params(target=ex.params.target)
+    rows = next(b for b in ex.decode_buckets if b >= batch_size)
     batches = []
     for width in widths:
         batch = empty_batch(rows, width, ex.blocks_per_seq, ex.spare_slot,
