@@ -3,6 +3,7 @@ the compiled generation step alone, through the public step API -- what the engi
 adds on top of it, and what verifying D+1 tokens costs against 1."""
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Sequence
 
@@ -58,24 +59,31 @@ def time_generation_steps(engine: Engine, batch_size: int, widths: Sequence[int]
     if blocks > ex.blocks_per_seq:
         raise ValueError(f"positions up to {last} need {blocks} blocks per sequence; the "
                          f"engine has {ex.blocks_per_seq}")
+    with _borrowed_blocks(engine, batch_size, blocks) as tables:
+        return _time_steps(engine, batch_size, widths, iters, rounds, first, start_pos, tables)
+
+
+@contextlib.contextmanager
+def _borrowed_blocks(engine: Engine, rows: int, blocks: int):
+    """`rows` block tables of `blocks` blocks each, taken from the engine's allocator as a
+    request's would be (free blocks first, then cached ones evicted) and given back after."""
     alloc = engine.allocator
-    if batch_size * blocks > alloc.num_free_blocks:
-        raise ValueError(f"{batch_size} rows of {blocks} blocks need {batch_size * blocks} free "
-                         f"KV blocks; the engine has {alloc.num_free_blocks}")
-    seq_ids = [-1 - i for i in range(batch_size)]  # request ids are >= 0
-    for seq in seq_ids:
-        alloc.allocate(seq)
-        alloc.add_tokens(seq, blocks * engine.config.tokens_per_block)
+    if rows * blocks > alloc.num_free_blocks:
+        raise ValueError(f"{rows} rows of {blocks} blocks need {rows * blocks} free KV blocks; "
+                         f"the engine has {alloc.num_free_blocks}")
+    seq_ids = [-1 - i for i in range(rows)]  # request ids are >= 0
     try:
-        return _time_steps(engine, batch_size, widths, start_pos, iters, rounds, first,
-                           [alloc.blocks(seq) for seq in seq_ids])
+        for seq in seq_ids:
+            alloc.allocate(seq)
+            alloc.add_tokens(seq, blocks * engine.config.tokens_per_block)
+        yield [alloc.blocks(seq) for seq in seq_ids]
     finally:
         for seq in seq_ids:
             alloc.free(seq)
 
 
-def _time_steps(engine: Engine, batch_size: int, widths: Sequence[int], start_pos: int,
-                iters: int, rounds: int, first: int, tables: list[list[int]]) -> list[float]:
+def _time_steps(engine: Engine, batch_size: int, widths: Sequence[int], iters: int,
+                rounds: int, first: int, start_pos: int, tables: list[list[int]]) -> list[float]:
     ex = engine.executor
     fn = make_generation_step(ex.graphdef)
     params = Params(target=ex.params.target)

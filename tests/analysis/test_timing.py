@@ -22,7 +22,7 @@ def test_timing_the_step_leaves_cached_prompts_and_the_pool_intact(tiny_model):
     assert alloc.num_free_blocks == alloc.total_blocks   # every timing block given back
     assert alloc.num_cached_blocks == cached             # free blocks were enough: none evicted
     again = llm.generate([prompt], params)[0]
-    assert again.stats.num_cached_tokens > 0                # the repeat did read the cache
+    assert again.stats.num_cached_tokens > 0             # the repeat did read the cache
     assert again.token_ids == first
     with pytest.raises(ValueError, match="free KV blocks"):
         time_generation_steps(llm.engine, 2, [1], start_pos=100, iters=4, rounds=1)
