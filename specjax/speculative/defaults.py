@@ -9,21 +9,29 @@ import os
 from pathlib import Path
 
 from specjax.models.registry import BUNDLED, CHECKPOINTS_DIR
-from specjax.speculative.config import (AutoConfig, DFlashConfig, DraftTargetConfig, EagleConfig,
-                                        MTPConfig, NGramConfig, PARDConfig, SpeculativeConfig)
+from specjax.speculative.config import AutoConfig, NGramConfig, SpeculativeConfig
 from specjax.speculative.modes import MODE_NAMES, SpeculativeDecodingMode
 
 M = SpeculativeDecodingMode
-# The names `speculative_model` takes for the drafters shipped with the bundled target
+# The names `speculative_model` takes for the drafters shipped in `checkpoints/`
 # (`specjax.models.registry.resolve_model_path` resolves them from any directory).
 BUNDLED_DRAFT = "bundled-draft"
 BUNDLED_EAGLE3 = "bundled-eagle3"
 BUNDLED_MTP = "bundled-mtp"
 BUNDLED_PARD = "bundled-pard"
 BUNDLED_DFLASH = "bundled-dflash"
-# The drafter each mode reads when the target is the bundled model and none is named.
-SHIPPED_FOR_MODE = {M.DRAFT_TARGET_ONE_MODEL: BUNDLED_DRAFT, M.EAGLE3_ONE_MODEL: BUNDLED_EAGLE3,
-                    M.MTP: BUNDLED_MTP, M.PARD: BUNDLED_PARD, M.DFLASH: BUNDLED_DFLASH}
+# Per target name: the drafter each mode reads when none is named.
+SHIPPED_FOR_MODEL = {
+    "bundled": {M.DRAFT_TARGET_ONE_MODEL: BUNDLED_DRAFT, M.EAGLE3_ONE_MODEL: BUNDLED_EAGLE3,
+                M.MTP: BUNDLED_MTP, M.PARD: BUNDLED_PARD, M.DFLASH: BUNDLED_DFLASH},
+    "smollm2": {M.EAGLE3_ONE_MODEL: "smollm2-eagle3", M.DFLASH: "smollm2-dflash"},
+}
+# Per target name, the modes its default (and AUTO) tries in order, the first whose drafter
+# ships winning: the order `python -m specjax.bench spec` measured (fastest first; README.md's
+# tables give the figures). A drafter ships for a target only once it measured faster than
+# plain decoding there (none for SmolLM2 yet: README.md, "Drafters for SmolLM2").
+DEFAULT_ORDER = {"bundled": (M.EAGLE3_ONE_MODEL, M.DRAFT_TARGET_ONE_MODEL),
+                 "smollm2": (M.EAGLE3_ONE_MODEL, M.DFLASH)}
 
 # One example per mode that --speculative-config takes by name (CLI help).
 EXAMPLES = {
@@ -43,8 +51,11 @@ EXAMPLES = {
 log = logging.getLogger("specjax")
 
 
-def is_bundled(model: str | os.PathLike) -> bool:
-    return str(model) == "bundled"
+def shipped_for(model: str | os.PathLike | None) -> dict:
+    """mode -> the name of the drafter shipped for `model` (a target name), for those that
+    ship; {} for any other model."""
+    table = SHIPPED_FOR_MODEL.get(str(model), {}) if model is not None else {}
+    return {mode: name for mode, name in table.items() if shipped(name)}
 
 
 def shipped(name: str) -> str | None:
@@ -58,15 +69,15 @@ def _mtp_modules(name: str) -> int:
 
 
 def default_speculative_config(model: str | os.PathLike) -> SpeculativeConfig | None:
-    """The fastest mode shipped for `model` (`python -m specjax.bench spec`): for the bundled
-    target, EAGLE-3 with its trained head, else draft-target with the draft model (whichever
-    is shipped); none for other models. Sampled requests use rejection sampling (the in-step
-    drafters' default)."""
-    if is_bundled(model):
-        if head := shipped(BUNDLED_EAGLE3):
-            return EagleConfig(max_draft_len=4, speculative_model=head)
-        if draft := shipped(BUNDLED_DRAFT):
-            return DraftTargetConfig(max_draft_len=4, speculative_model=draft)
+    """The fastest mode shipped for `model` (`DEFAULT_ORDER`, as `python -m specjax.bench spec`
+    measured it): for the bundled target EAGLE-3 with its trained head, else draft-target; for
+    SmolLM2 its EAGLE-3 head, else its DFlash drafter; none for other models. Sampled requests
+    use rejection sampling (the in-step drafters' default)."""
+    drafters = shipped_for(model)
+    for mode in DEFAULT_ORDER.get(str(model), ()):
+        if mode in drafters:
+            return SpeculativeConfig.from_dict(_fill_shipped({"mode": mode.name.lower(),
+                                                              "max_draft_len": 4}, model))
     return None
 
 
@@ -92,48 +103,45 @@ def resolve_auto(config: SpeculativeConfig | None, model: str | os.PathLike | No
     return chosen
 
 
-def shipped_configs(max_draft_len: int) -> list[SpeculativeConfig]:
-    """NGram, then each drafter shipped for the bundled target: draft model, EAGLE-3 head,
-    MTP modules (MTP drafts at most one token per module), PARD and DFlash."""
+def shipped_configs(max_draft_len: int, model: str | os.PathLike = "bundled"
+                    ) -> list[SpeculativeConfig]:
+    """NGram, then each drafter shipped for `model` (the bundled target: draft model, EAGLE-3
+    head, MTP modules (MTP drafts at most one token per module), PARD and DFlash; SmolLM2:
+    EAGLE-3 and DFlash)."""
     D = max_draft_len
     configs: list[SpeculativeConfig] = [NGramConfig(max_draft_len=D, max_matching_ngram_size=3)]
-    if draft := shipped(BUNDLED_DRAFT):
-        configs.append(DraftTargetConfig(max_draft_len=D, speculative_model=draft))
-    if head := shipped(BUNDLED_EAGLE3):
-        configs.append(EagleConfig(max_draft_len=D, speculative_model=head))
-    if mtp := shipped(BUNDLED_MTP):
-        n = _mtp_modules(mtp)
-        configs.append(MTPConfig(max_draft_len=min(D, n), num_nextn_predict_layers=n,
-                                 use_mtp_vanilla=True, speculative_model=mtp))
-    if pard := shipped(BUNDLED_PARD):
-        configs.append(PARDConfig(max_draft_len=D, speculative_model=pard))
-    if dflash := shipped(BUNDLED_DFLASH):
-        configs.append(DFlashConfig(max_draft_len=D, speculative_model=dflash))
+    order = (M.DRAFT_TARGET_ONE_MODEL, M.EAGLE3_ONE_MODEL, M.MTP, M.PARD, M.DFLASH)
+    drafters = shipped_for(model)
+    for mode in (m for m in order if m in drafters):
+        data = _fill_shipped({"mode": mode.name.lower(), "max_draft_len": D}, model)
+        if mode is M.MTP:
+            data["max_draft_len"] = min(D, data["num_nextn_predict_layers"])
+            data["use_mtp_vanilla"] = True
+        configs.append(SpeculativeConfig.from_dict(data))
     return configs
 
 
 def with_shipped_drafter(config: SpeculativeConfig | None,
                          model: str | os.PathLike) -> SpeculativeConfig | None:
-    """For the bundled target, a config that names no drafter gets the one shipped for its
-    mode; anything else is returned unchanged."""
-    if (config is None or not is_bundled(model)
-            or getattr(config, "speculative_model", "n/a") is not None
-            or config.mode not in SHIPPED_FOR_MODE):
+    """For a target with shipped drafters (the bundled one, SmolLM2), a config that names no
+    drafter gets the one shipped for its mode; anything else is returned unchanged."""
+    if (config is None or getattr(config, "speculative_model", "n/a") is not None
+            or config.mode not in shipped_for(model)):
         return config
     return SpeculativeConfig.from_dict(_fill_shipped(config.to_dict(), model))
 
 
 def _fill_shipped(data: dict, model: str | os.PathLike) -> dict:
-    """A config dict naming no drafter, for the bundled target: the shipped drafter of its
-    mode (for MTP also the module count, and a draft length it allows unless given)."""
-    if not is_bundled(model) or data.get("speculative_model") is not None:
+    """A config dict naming no drafter, for a target with shipped drafters: the shipped drafter
+    of its mode (for MTP also the module count, and a draft length it allows unless given)."""
+    if data.get("speculative_model") is not None:
         return data
     try:
         mode = SpeculativeDecodingMode.parse(data.get("mode"))
     except ValueError:
         return data  # from_dict names the problem
-    name = SHIPPED_FOR_MODE.get(mode)
-    if name is None or shipped(name) is None:
+    name = shipped_for(model).get(mode)
+    if name is None:
         return data
     data = {**data, "speculative_model": name}
     if mode is M.MTP:
@@ -148,7 +156,7 @@ def parse_speculative_config(value: str | None,
     """--speculative-config: unset -> the default for `model`; "none" -> off; a mode name
     ("ngram", "eagle3", "draft_target", "mtp", ...: that mode's defaults); JSON
     (`SpeculativeConfig.to_json()`'s format, "mode" an integer or a name) or a file holding it.
-    For the bundled target, a config naming no drafter gets the shipped one."""
+    For a target with shipped drafters, a config naming no drafter gets the shipped one."""
     if value is None:
         return default_speculative_config(model)
     text = value.strip()
@@ -180,5 +188,5 @@ def speculative_config_help(default: str) -> str:
     per mode."""
     examples = "; ".join(f"{name}: '{example}'" for name, example in EXAMPLES.items())
     return (f"'none', a mode name ({', '.join(EXAMPLES)}, ... -- that mode's defaults, with "
-            f"the shipped drafter for the bundled model), JSON with \"mode\" as a name or "
+            f"the shipped drafter for the bundled model or smollm2), JSON with \"mode\" as a name or "
             f"integer, or a file holding it (default: {default}). Examples: {examples}")

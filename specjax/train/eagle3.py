@@ -36,8 +36,8 @@ def export(out: Path, head, target, spec: HeadSpec, log: dict) -> None:
     # config.json records the capture layers (eagle_config.eagle_aux_hidden_state_layer_ids,
     # as public EAGLE-3 configs do): EagleConfig uses them unless told otherwise.
     assert head.config.aux_hidden_state_layers == tuple(spec.capture_layers)
-    save_eagle3_head(head, out, dtype="float32")
-    log["save_dtype"] = "float32"
+    save_eagle3_head(head, out, dtype=log["args"]["save_dtype"])
+    log["save_dtype"] = log["args"]["save_dtype"]
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> int:

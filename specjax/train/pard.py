@@ -30,7 +30,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace, argv: list[str]) -> int:
     def export(out: Path, model, target, spec: HeadSpec, log: dict) -> None:
         save_pard_model(model, out, target.config.vocab_size, dtype=args.save_dtype)
-        tokenizer = args.target / toks.TOKENIZER_NAME
+        tokenizer = Path(args.target) / toks.TOKENIZER_NAME
         if tokenizer.exists():  # a PARD model is a language model of its own: ship its tokenizer
             shutil.copy(tokenizer, out / toks.TOKENIZER_NAME)
         log["save_dtype"] = args.save_dtype

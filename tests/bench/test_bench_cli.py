@@ -15,6 +15,7 @@ from specjax.analysis import at_least
 from specjax.bench import decode, spec, structured
 from specjax.bench.__main__ import MODULES, build_parser, main, summary
 from specjax.bench.table import Column, Table
+from specjax.analysis import heldout
 from specjax.speculative.defaults import shipped_configs
 
 
@@ -182,6 +183,9 @@ def test_prompt_categories():
     with pytest.raises(SystemExit, match="unknown"):
         spec.categories_to_run(0, "humaneval")
     assert spec.prompt_sets(0, "code") == {"code": spec.PROMPTS["code"]}
+    # A chat model is asked the held-out requests instead (never in its drafters' data).
+    assert spec.categories_to_run(0, chat=True) == ["chat", "code"]
+    assert spec.prompt_sets(0, "code", chat=True) == {"code": list(heldout.CODE)}
 
 
 # --- tables and legends ------------------------------------------------------------------

@@ -95,3 +95,30 @@ def test_draws_never_pick_a_forbidden_entry():
     draws = np.asarray(categorical(keys, jnp.broadcast_to(logits, (4096, 64))))
     assert np.all(draws % 3 == 0)
     assert len(set(draws.tolist())) == 22  # every allowed entry is drawn
+
+
+def _reference_kept(x, top_k, top_p):
+    """numpy: the tokens filter_logits keeps (temperature 1, no min_p), by a full sort."""
+    order = np.argsort(-x, kind="stable")
+    k = len(x) if top_k <= 0 else min(top_k, len(x))
+    probs = np.exp(x[order[:k]] - x[order[0]])
+    probs /= probs.sum()
+    before = np.cumsum(probs) - probs
+    last = x[order[np.sum(before < top_p) - 1]]
+    return set(np.flatnonzero(x >= last).tolist())
+
+
+@pytest.mark.parametrize("top_k, top_p", [(0, 0.5), (0, 0.999), (10, 1.0), (300, 0.9),
+                                          (0, 1.0), (40, 0.7)])
+def test_large_vocabularies_cut_where_a_full_sort_does_whatever_the_batch(top_k, top_p):
+    """V = 2000 > CANDIDATES: a peaked row's nucleus lies among the top candidates, a flat
+    row's (top_p 0.999) or a top_k above them needs the full sort. Each row's kept set equals
+    the full sort's, alone or batched with a row that takes the other path."""
+    rng = np.random.default_rng(0)
+    peaked = rng.normal(size=2000).astype(np.float32) * 4
+    flat = rng.normal(size=2000).astype(np.float32) * 0.1
+    params = lambda n: (jnp.ones(n), jnp.full(n, top_k), jnp.full(n, top_p), jnp.zeros(n))
+    for rows in ([peaked], [flat], [peaked, flat], [flat, peaked]):
+        out = np.asarray(filter_logits(jnp.asarray(np.stack(rows)), *params(len(rows))))
+        for x, o in zip(rows, out):
+            assert set(np.flatnonzero(np.isfinite(o)).tolist()) == _reference_kept(x, top_k, top_p)

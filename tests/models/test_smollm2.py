@@ -112,3 +112,4 @@ def test_chat_completion_through_the_server(llm):
                       specjax.SamplingParams(max_tokens=48, temperature=0))[0]
     assert choice["message"]["content"] == direct.text
     assert llm.engine.allocator.num_free_blocks == llm.engine.allocator.total_blocks
+

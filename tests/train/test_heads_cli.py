@@ -99,3 +99,32 @@ def test_cli_dflash_end_to_end(target_folder, tmp_path, monkeypatch):
     assert head.config.mask_token_id == config.vocab_size and head.config.block_size == 2
     assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
     assert "DFlashConfig(max_draft_len=2" in (out / "MODEL_CARD.md").read_text()
+
+
+def test_cli_data_then_eagle3_from_its_hidden_states(target_folder, tmp_path):
+    """`train data` answers locally made prompts with the target and saves the hidden states
+    an EAGLE-3 head then trains on (exported in bfloat16 when asked)."""
+    from safetensors import safe_open
+    from specjax.analysis.heldout import overlaps_heldout
+    from specjax.engine.hidden_states import read_hidden_states
+    folder, _, config = target_folder
+    data = tmp_path / "data"
+    assert main(["data", "--target", str(folder), "--out", str(data), "--limit", "5",
+                 "--self-instruct", "2", "--max-tokens", "6", "--batch-size", "4",
+                 "--layers", "1,3,4,7"]) == 0
+    manifest = json.loads((data / "manifest.json").read_text())
+    layers, requests = read_hidden_states(data / "hidden")
+    assert layers == (1, 3, 4, 7) and manifest["layers"] == [1, 3, 4, 7]
+    # Every answered prompt (and each self-instruct question request) is saved, whole.
+    assert manifest["prompts"] == 5 and len(requests) == 5 + 2
+    assert not any(overlaps_heldout(p["text"]) for p in manifest["prompt_texts"])
+    assert sum(manifest["sources"].values()) == 5
+    out = tmp_path / "eagle3"
+    assert main(["eagle3", "--target", str(folder), "--out", str(out), "--hidden-states",
+                 str(data / "hidden"), "--draft-vocab", "100", "--save-dtype", "bfloat16",
+                 *CLI_FLAGS]) == 0
+    with safe_open(str(out / "model.safetensors"), framework="numpy") as f:
+        assert {str(f.get_slice(k).get_dtype()) for k in f.keys()
+                if k not in ("d2t", "t2d")} == {"BF16"}
+    assert load_eagle3_head(out).config.draft_vocab_size == 100
+    assert "bfloat16" in (out / "MODEL_CARD.md").read_text()

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from specjax.models import load_hf_checkpoint
+from specjax.models.registry import load_model, resolve_model_path
 from specjax.models.config import DTYPES
 from specjax.train.config import add_train_arguments, train_config_from_args
 from specjax.train.export import compact_log
@@ -27,7 +27,9 @@ HEAD_TRAIN_DEFAULTS = dict(steps=600, batch_size=8, seq_len=256, lr=2e-3, warmup
 
 
 def add_arguments(p: argparse.ArgumentParser, kind: str) -> None:
-    p.add_argument("--target", type=Path, required=True, help="the frozen target's checkpoint folder")
+    p.add_argument("--target", required=True,
+                   help="the frozen target: a checkpoint folder, a GGUF file or a name "
+                        "('bundled', 'smollm2'); loaded in float32")
     p.add_argument("--out", type=Path, required=True, help="export folder, e.g. checkpoints/<name>")
     p.add_argument("--depth", type=int, default=3 if kind == "mtp" else 4,
                    help="draft steps unrolled in training (TTT) and reported; a parallel "
@@ -37,9 +39,9 @@ def add_arguments(p: argparse.ArgumentParser, kind: str) -> None:
                         "corpus (default: the corpus named by the target's corpus_manifest.json)")
     p.add_argument("--step-weight", type=float, default=0.8,
                    help="loss weight of draft step j is step_weight^(j-1)")
-    if kind != "eagle3":  # EAGLE-3 heads are exported in float32, the public layout's
-        p.add_argument("--save-dtype", default="bfloat16", choices=DTYPES,
-                       help="dtype of the exported weights (loading casts to the target's)")
+    p.add_argument("--save-dtype", default="float32" if kind == "eagle3" else "bfloat16",
+                   choices=DTYPES,
+                   help="dtype of the exported weights (loading casts to the target's)")
     add_train_arguments(p, HEAD_TRAIN_DEFAULTS)
     r = p.add_argument_group("run control")
     r.add_argument("--restart", action="store_true", help="discard saved steps under <out>/work")
@@ -69,9 +71,13 @@ def run(kind: str, args: argparse.Namespace, argv: list[str], spec_fields: Calla
     work = out / WORK_DIR
     if args.restart:
         shutil.rmtree(work, ignore_errors=True)
-    if not (args.target / "config.json").exists():
-        raise SystemExit(f"--target: {args.target / 'config.json'} is missing")
-    target = load_hf_checkpoint(args.target)
+    try:
+        target_path = resolve_model_path(args.target)
+    except (ValueError, FileNotFoundError) as e:
+        raise SystemExit(f"--target: {e}") from None
+    if target_path.is_dir() and not (target_path / "config.json").exists():
+        raise SystemExit(f"--target: {target_path / 'config.json'} is missing")
+    target = load_model(target_path, "float32")
     cfg = target.config
     spec = HeadSpec(kind=kind, depth=args.depth, num_layers=cfg.num_layers,
                     step_weight=args.step_weight, **spec_fields(cfg))
@@ -80,7 +86,10 @@ def run(kind: str, args: argparse.Namespace, argv: list[str], spec_fields: Calla
         source: DataSource = HiddenStatesSource(args.hidden_states, spec.needed_layers,
                                                 cfg.hidden_size, f"{spec.label} ({kind})")
     else:
-        source = corpus_source(args.target, work)
+        if not target_path.is_dir():
+            raise SystemExit(f"--target {args.target}: a GGUF target has no corpus here; pass "
+                             "--hidden-states (python -m specjax.train data makes them)")
+        source = corpus_source(target_path, work)
     top = source.max_token()
     if top >= cfg.vocab_size:
         raise SystemExit(f"the training data hold token id {top} >= the target's vocab_size "
