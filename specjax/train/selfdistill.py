@@ -33,7 +33,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "greedily: the heads see both regimes")
     p.add_argument("--batch-size", type=int, default=32, help="requests decoded together")
     p.add_argument("--dtype", default="float32", help="the target's dtype")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the prompts' order and of the sampled answers")
 
 
 def _params(i: int, temperature: float, max_tokens: int, seed: int):
