@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import platform
 from pathlib import Path
 
 import jax
@@ -13,6 +12,7 @@ from tokenizers import Tokenizer
 
 from specjax.models import Llama, save_hf_checkpoint
 from specjax.train.evaluate import greedy_continue, perplexity
+from specjax.train.workdir import hardware
 
 # No trailing newline: BPE merges a newline with the next line's indentation, so a prompt ending in a
 # bare "\n" ends on a token boundary the model has rarely seen and derails it.
@@ -75,7 +75,7 @@ def write_model_card(out: Path, model: Llama, tok: Tokenizer, *, name: str, comm
         f"- AdamW (b1 {tc['b1']}, b2 {tc['b2']}, weight decay {tc['weight_decay']}), peak lr {tc['lr']:g}, "
         f"{tc['warmup']} warm-up steps then cosine decay to {tc['lr'] * tc['min_lr_ratio']:g}, "
         f"global-norm clip {tc['clip_norm']}",
-        f"- hardware: {platform.machine()} CPU, JAX {jax.__version__}"
+        f"- hardware: {hardware()}, JAX {jax.__version__}"
         + (f", {wall_s / 60:.0f} min wall time" if wall_s else ""),
         "- loss curve: `training_log.json`\n",
         "## Evaluation\n",

@@ -12,6 +12,7 @@ from __future__ import annotations
 import sys
 import time
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +27,9 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 from specjax.train.config import TrainConfig, lr_schedule
 from specjax.train.workdir import (LOG_NAME, checkpoint_manager, load_log, restore_or_init,
                                    wall_seconds, write_log)
+
+
+PREFETCH = 2
 
 
 @dataclass(frozen=True)
@@ -74,7 +78,8 @@ def _through_bar():
 def run_training(state: Any, train_step: Callable, batch_fn: Callable[[int], Any],
                  tc: TrainConfig, work: Path, *, meta: dict, log: LogFormat,
                  evaluate: Callable[[Any], tuple[dict, str]] | None = None,
-                 stop_after: int | None = None, progress: bool = True) -> tuple[Any, list[dict]]:
+                 stop_after: int | None = None, progress: bool = True,
+                 stop_at: float | None = None) -> tuple[Any, list[dict]]:
     """Train (or resume) to `tc.steps`; -> (final state, log entries).
 
     `state`: the fresh state, used when `work` holds no saved step. `train_step(state, batch)`
@@ -82,7 +87,9 @@ def run_training(state: Any, train_step: Callable, batch_fn: Callable[[int], Any
     batch. `evaluate(state)` -> (validation fields for the log, a message), every
     `tc.eval_every` steps and at the last; None skips validation. `meta` is stored beside the
     entries. `stop_after` ends this invocation after that many completed steps (a planned
-    interruption: the run can later be resumed to `tc.steps` with the same schedule).
+    interruption: the run can later be resumed to `tc.steps` with the same schedule); `stop_at`
+    (a `time.perf_counter()` value) ends it, likewise resumable, at the first step finished
+    after that time.
     """
     work.mkdir(parents=True, exist_ok=True)
     mgr = checkpoint_manager(work)
@@ -99,14 +106,23 @@ def run_training(state: Any, train_step: Callable, batch_fn: Callable[[int], Any
     # into the report lines, so there each log interval prints a line instead.
     live = progress and sys.stderr.isatty()
     line = log.line or _default_line
-    with (_through_bar() if live else nullcontext()), tqdm(
+    # The next batches are built on host threads while the device runs this step (numpy's
+    # copies release the GIL): on a fast accelerator, building a batch of saved hidden states
+    # takes about as long as the step itself.
+    with ThreadPoolExecutor(PREFETCH) as pool, \
+            (_through_bar() if live else nullcontext()), tqdm(
             total=tc.steps, initial=start, disable=not live, mininterval=1.0,
             dynamic_ncols=True) as bar:
+        ahead = {s: pool.submit(batch_fn, s) for s in range(start, min(start + PREFETCH, end))}
         for step in range(start, end):
-            state, metrics = train_step(state, batch_fn(step))
+            batch = ahead.pop(step).result()
+            if step + PREFETCH < end:
+                ahead[step + PREFETCH] = pool.submit(batch_fn, step + PREFETCH)
+            state, metrics = train_step(state, batch)
             pending.append(metrics)
             done = step + 1
-            if done % tc.log_every == 0 or done == end:
+            out_of_time = stop_at is not None and done < end and time.perf_counter() > stop_at
+            if done % tc.log_every == 0 or done == end or out_of_time:
                 # One host sync per log interval; the first interval includes compilation, so
                 # throughput is timed from the first log point on.
                 got = jax.device_get(pending)
@@ -131,9 +147,12 @@ def run_training(state: Any, train_step: Callable, batch_fn: Callable[[int], Any
                 entries.append({"step": done, **val})
                 _say(f"step {done}: {message}")
                 last_time = time.perf_counter()  # do not charge evaluation to training throughput
-            if done % tc.save_every == 0 or done == end:
+            if done % tc.save_every == 0 or done == end or out_of_time:
                 mgr.save(done, args=ocp.args.StandardSave(state))
                 write_log(log_path, entries, meta)
+            if out_of_time:
+                _say(f"out of time after step {done} of {tc.steps}")
+                break
     mgr.wait_until_finished()
     mgr.close()
     write_log(log_path, entries, meta)

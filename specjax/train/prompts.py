@@ -4,8 +4,10 @@ is downloaded. Three sources, each deterministic:
 - "stdlib": instructions and code tasks written from the Python standard library's own
   docstrings (the installed interpreter's modules: the API's name and its summary line);
 - "topics": fixed question forms over a topic list (everyday, science, work, writing, code);
-- "self-instruct": the target is asked to write a question about a topic; its question is then
-  answered like any other prompt (`question_request` / `question_from_answer`).
+- "code": programming tasks in several languages (general tasks, SQL queries, shell scripts);
+- "self-instruct": the target is asked to write a question, a request for help or a programming
+  task about a topic; what it writes is then answered like any other prompt
+  (`question_requests` / `question_from_answer`).
 """
 from __future__ import annotations
 
@@ -71,8 +73,67 @@ TOPIC_FORMS = (
     "What questions should I ask an expert on {topic}?",
 )
 
-QUESTION_FORM = ("Write one question that someone might ask an assistant about {topic}. Reply "
-                 "with the question only.")
+REQUEST_OPENINGS = ("write", "create", "implement", "help", "i ", "i'", "my ", "can you",
+                    "could you", "please", "explain", "show", "build", "make", "design", "given")
+
+QUESTION_FORMS = (
+    "Write one question that someone might ask an assistant about {topic}. Reply with the "
+    "question only.",
+    "Write one message in which someone asks an assistant for help with a personal situation "
+    "involving {topic}. Reply with the message only.",
+    "Write one short programming task related to {topic} that a student could ask an "
+    "assistant to solve in {language}. Reply with the task only.",
+)
+
+# General tasks go with every general-purpose language; SQL and shell have their own.
+LANGUAGES = ("Python", "JavaScript", "TypeScript", "Java", "C", "C++", "Go", "Rust", "Ruby")
+PROGRAM_TASKS = (
+    "reverses the words in a sentence", "computes the greatest common divisor of two numbers",
+    "tests if a number is prime", "counts the vowels in a string",
+    "finds the largest element of an array without a built-in max",
+    "converts temperatures from Celsius to Fahrenheit", "rotates a square matrix by 90 degrees",
+    "finds the longest common prefix of several strings", "parses a date like 2024-03-15",
+    "implements a stack with push, pop and peek", "implements a queue with two stacks",
+    "computes a factorial both iteratively and recursively", "tests if a string is a "
+    "palindrome", "groups words that are anagrams of each other", "keeps a running average of "
+    "incoming numbers", "prints the lines of a text file in reverse order",
+    "generates a random password of a given length", "converts an integer to binary",
+    "finds the second largest number in a list", "implements insertion sort",
+    "implements quicksort", "computes the dot product of two vectors",
+    "capitalises the first letter of every word", "finds all pairs of numbers that add up to a "
+    "target", "implements a small LRU cache", "parses a URL query string into key-value pairs",
+    "computes the median of a list", "transposes a matrix", "merges overlapping intervals",
+    "builds a binary search tree with insert and in-order traversal",
+    "finds the shortest path through a grid maze with breadth-first search",
+    "retries a failing operation with exponential backoff",
+    "formats a byte count as a human-readable size", "splits a list into chunks of a given size",
+    "computes the edit distance between two strings", "counts the words in a paragraph",
+    "shuffles an array in place", "checks whether a year is a leap year",
+    "computes simple interest and compound interest", "validates a phone number format",
+)
+PROGRAM_FORMS = (
+    "Write a {language} function that {task}.",
+    "How would I write {language} code that {task}? Explain each step.",
+    "Show a {language} example that {task}, and mention the edge cases.",
+    "Write {language} code that {task}, with a few tests.",
+)
+SQL_TASKS = (
+    "lists the orders placed in the last 30 days", "counts the employees in each department",
+    "lists the products that were never ordered", "computes the average salary per job title",
+    "detects duplicate email addresses in a users table", "returns the latest order of each "
+    "customer", "counts how many students enrolled in each course", "deletes rows older than "
+    "one year from a log table", "ranks salespeople by their monthly revenue",
+    "shows the months in which sales dropped compared with the month before",
+)
+SQL_FORMS = ("Write a SQL query that {task}.", "Explain step by step a SQL query that {task}.")
+SHELL_TASKS = (
+    "finds the ten largest files in a directory", "counts the lines of every .py file in a "
+    "project", "backs up a folder into a dated tar.gz archive", "shows the processes using the "
+    "most memory", "replaces a word in every text file of a folder", "checks whether a website "
+    "is reachable every minute", "deletes log files older than seven days",
+    "creates a folder for each day of the current month",
+)
+SHELL_FORMS = ("Write a bash script that {task}.", "How do I write a shell command that {task}?")
 
 
 def _summary(obj) -> str | None:
@@ -117,6 +178,12 @@ def make_prompts(seed: int = 0) -> list[tuple[str, str]]:
     prompts = [("stdlib", rng.choice(STDLIB_FORMS).format(api=api, summary=summary))
                for api, summary in stdlib_apis()]
     prompts += [("topics", form.format(topic=topic)) for topic in TOPICS for form in TOPIC_FORMS]
+    # Each (task, language) once, in a form picked per pair: every task in every language
+    # without every phrasing.
+    prompts += [("code", rng.choice(PROGRAM_FORMS).format(language=language, task=task))
+                for task in PROGRAM_TASKS for language in LANGUAGES]
+    prompts += [("code", form.format(task=task)) for task in SQL_TASKS for form in SQL_FORMS]
+    prompts += [("code", form.format(task=task)) for task in SHELL_TASKS for form in SHELL_FORMS]
     rng.shuffle(prompts)
     return prompts
 
@@ -124,13 +191,18 @@ def make_prompts(seed: int = 0) -> list[tuple[str, str]]:
 def question_requests(count: int, seed: int = 0) -> list[str]:
     """Self-instruct, first turn: `count` requests for a question about a topic."""
     rng = random.Random(seed + 1)
-    return [QUESTION_FORM.format(topic=rng.choice(TOPICS)) for _ in range(count)]
+    return [rng.choice(QUESTION_FORMS).format(topic=rng.choice(TOPICS),
+                                              language=rng.choice(LANGUAGES))
+            for _ in range(count)]
 
 
 def question_from_answer(text: str) -> str | None:
-    """The target's question (its answer to a `question_requests` prompt), or None when it is
-    not a usable question."""
+    """The target's question, request or task (its answer to a `question_requests` prompt): its
+    first line, or None when that is too short or long, or reads as an answer rather than a
+    request (no question mark and no imperative opening)."""
     line = text.strip().split("\n")[0].strip().strip('"').strip()
-    if not 10 <= len(line) <= 300 or "?" not in line:
+    if not 10 <= len(line) <= 300:
+        return None
+    if "?" not in line and not line.lower().startswith(REQUEST_OPENINGS):
         return None
     return line

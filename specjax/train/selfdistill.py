@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import time
 from pathlib import Path
 
@@ -35,31 +36,55 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", help="the target's dtype")
     p.add_argument("--seed", type=int, default=0,
                    help="seed of the prompts' order and of the sampled answers")
+    p.add_argument("--answers", type=int, default=1,
+                   help="answers per prompt: the extra ones are sampled with their own seeds "
+                        "(more data from the same prompts); all first answers come first")
+    p.add_argument("--max-seconds", type=float, default=None,
+                   help="stop submitting prompts once this much time has passed (the prompts "
+                        "run in chunks of 4 batches; what was answered is kept and recorded)")
+    e = p.add_argument_group("engine")
+    e.add_argument("--max-model-len", type=int, default=None,
+                   help="prompt + answer cap (default: the model's context; a "
+                        "shorter one lets a large batch fit)")
+    e.add_argument("--prefill-chunk", type=int, default=64, help="prompt tokens per row a step")
+    e.add_argument("--max-prefill-rows", type=int, default=2, help="prompts prefilled a step")
 
 
-def _params(i: int, temperature: float, max_tokens: int, seed: int):
+def _params(i: int, temperature: float, max_tokens: int, seed: int, answer: int = 0):
+    """Answer 0 of even-numbered prompts is greedy; every other answer is sampled, seeded by
+    (seed, prompt, answer)."""
     from specjax import SamplingParams
-    if i % 2 == 0 or temperature == 0:
+    if (i % 2 == 0 and answer == 0) or temperature == 0:
         return SamplingParams(temperature=0.0, max_tokens=max_tokens)
     return SamplingParams(temperature=temperature, top_p=0.95, max_tokens=max_tokens,
-                          seed=seed * 1_000_003 + i)
+                          seed=(seed * 1_000_003 + i) * 101 + answer)
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> int:
     from specjax import LLM, SamplingParams, SaveHiddenStatesConfig
+    from specjax.chat import ChatTemplate
     out: Path = args.out
     if (out / "hidden").exists() and any((out / "hidden").iterdir()):
         raise SystemExit(f"--out {out}: {out / 'hidden'} already holds files; pick a new folder")
     start = time.perf_counter()
     save = SaveHiddenStatesConfig(output_directory=str(out / "hidden"), layers=args.layers,
                                   write_interval=200)
+    # One batch bucket: a data run decodes full batches until its last few steps, and every
+    # other bucket would be one more compile of the whole target.
     llm = LLM(args.target, dtype=args.dtype, max_batch_size=args.batch_size,
-              speculative_config=save)
+              batch_sizes=(args.batch_size,),
+              max_model_len=args.max_model_len, prefill_chunk=args.prefill_chunk,
+              max_prefill_rows=args.max_prefill_rows, speculative_config=save)
     layers = llm.engine.recorder.layers
     rendered = lambda text: [{"role": "user", "content": text}]
 
+    # A prompt that fills the context leaves no room for an answer (a short-context target).
+    template = ChatTemplate.from_tokenizer(llm.tokenizer)
+    fits = lambda text: len(template.prompt_ids(llm.tokenizer, rendered(text))) < \
+        llm.engine.max_len
+
     # Self-instruct: the target writes questions, which join the prompts below.
-    asks = P.question_requests(args.self_instruct, args.seed)
+    asks = [a for a in P.question_requests(args.self_instruct, args.seed) if fits(a)]
     answers = llm.chat([rendered(a) for a in asks],
                        [SamplingParams(temperature=1.0, top_p=0.95, max_tokens=48,
                                        seed=args.seed * 7919 + i) for i in range(len(asks))],
@@ -68,30 +93,46 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
                                    if (q := P.question_from_answer(a.text)) is not None))
 
     made = P.make_prompts(args.seed) + [("self-instruct", q) for q in questions]
+    # Mixed, so that a run cut short by --limit or --max-seconds still draws on every source.
+    random.Random(args.seed).shuffle(made)
     kept = [(source, text) for source, text in made if not overlaps_heldout(text)]
     dropped = len(made) - len(kept)
+    too_long = sum(not fits(text) for _, text in kept)
+    kept = [(source, text) for source, text in kept if fits(text)]
     if args.limit is not None:
         kept = kept[:args.limit]
-    outputs = llm.chat([rendered(text) for _, text in kept],
-                       [_params(i, args.temperature, args.max_tokens, args.seed)
-                        for i in range(len(kept))], progress=True)
+    jobs = [(i, answer) for answer in range(args.answers) for i in range(len(kept))]
+    chunk = 4 * args.batch_size
+    outputs, answered_jobs = [], []
+    for c in range(0, len(jobs), chunk):
+        if args.max_seconds is not None and time.perf_counter() - start > args.max_seconds:
+            print(f"--max-seconds {args.max_seconds:g}: stopping after {len(answered_jobs)} of "
+                  f"{len(jobs)} answers", flush=True)
+            break
+        part = jobs[c:c + chunk]
+        outputs += llm.chat([rendered(kept[i][1]) for i, _ in part],
+                            [_params(i, args.temperature, args.max_tokens, args.seed, answer)
+                             for i, answer in part], progress=True)
+        answered_jobs += part
     llm.engine.recorder.flush()
     llm.close()
 
     sources: dict[str, int] = {}
-    for source, _ in kept:
-        sources[source] = sources.get(source, 0) + 1
+    for i, _ in answered_jobs:
+        sources[kept[i][0]] = sources.get(kept[i][0], 0) + 1
     answered = [len(o.token_ids) for o in outputs]
     manifest = {
         "target": str(args.target), "dtype": args.dtype, "layers": list(layers),
         "command": "python -m specjax.train data " + " ".join(argv[1:]),
-        "prompts": len(kept), "sources": sources,
+        "prompts": len({i for i, _ in answered_jobs}), "prompts_made": len(kept),
+        "answers": len(answered_jobs), "answers_per_prompt": args.answers,
+        "answers_by_source": sources,
         "self_instruct": {"asked": len(asks), "usable_questions": len(questions),
                           "question_tokens": sum(len(a.token_ids) for a in answers)},
-        "heldout_dropped": dropped,
+        "heldout_dropped": dropped, "too_long_dropped": too_long,
         "heldout_rule": f"prompts sharing a {SPAN}-word run with specjax.analysis.heldout's "
                         "CHAT or CODE prompts are dropped",
-        "sampling": {"greedy": "even-numbered prompts",
+        "sampling": {"greedy": "even-numbered prompts' first answers",
                      "temperature": args.temperature, "top_p": 0.95,
                      "max_tokens": args.max_tokens},
         "answer_tokens": sum(answered),
@@ -99,9 +140,11 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
                            for r in {o.finish_reason for o in outputs}},
         "files": sorted(p.name for p in (out / "hidden").glob("*.safetensors")),
         "seconds": round(time.perf_counter() - start, 1),
-        "prompt_texts": [{"source": s, "text": t} for s, t in kept],
+        "prompt_texts": [{"source": s, "text": t}
+                         for s, t in kept[:len({i for i, _ in answered_jobs})]],
     }
     (out / "manifest.json").write_text(json.dumps(manifest, indent=1))
-    print(f"{len(kept)} prompts ({dropped} dropped as held-out overlaps), {sum(answered):,} "
+    print(f"{len(answered_jobs)} answers to {len(kept)} prompts ({dropped} dropped as held-out "
+          f"overlaps), {sum(answered):,} "
           f"answer tokens in {manifest['seconds']:.0f} s -> {out}", flush=True)
     return 0

@@ -77,3 +77,15 @@ def check_same_run(work: Path, run_config, tc: TrainConfig, argv: list[str]) -> 
     work.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({**current, "commands": commands}, indent=1) + "\n")
     return commands
+
+
+def hardware() -> str:
+    """What a model card names as the training hardware: the accelerator JAX ran on, or the
+    CPU's architecture."""
+    import platform
+
+    import jax
+    device = jax.devices()[0]
+    if device.platform == "cpu":
+        return f"{platform.machine()} CPU"
+    return f"{device.device_kind} ({device.platform})"

@@ -1,6 +1,6 @@
 """The bench's held-out prompts stay out of the self-distillation data."""
 from specjax.analysis.heldout import CHAT, CODE, overlaps_heldout
-from specjax.train.prompts import make_prompts, question_from_answer
+from specjax.train.prompts import LANGUAGES, make_prompts, question_from_answer
 
 
 def test_every_heldout_prompt_and_any_text_quoting_six_of_its_words_is_caught():
@@ -14,10 +14,14 @@ def test_every_heldout_prompt_and_any_text_quoting_six_of_its_words_is_caught():
     assert not overlaps_heldout("Write a Python function that parses dates")
 
 
-def test_made_prompts_are_deterministic_cover_both_sources_and_avoid_the_bench():
+def test_made_prompts_are_deterministic_cover_every_source_and_avoid_the_bench():
     a, b = make_prompts(0), make_prompts(0)
     assert a == b and a != make_prompts(1)
-    assert {s for s, _ in a} == {"stdlib", "topics"}
+    assert {s for s, _ in a} == {"stdlib", "topics", "code"}
+    code = [t for s, t in a if s == "code"]
+    assert any("SQL" in t for t in code) and any("bash" in t for t in code)
+    assert len({lang for lang in LANGUAGES if any(f" {lang} " in t for t in code)}) == \
+        len(LANGUAGES)
     assert sum(s == "stdlib" for s, _ in a) > 200
     assert len({t for _, t in a}) == len(a)
     assert not any(overlaps_heldout(t) for _, t in a)
@@ -27,3 +31,8 @@ def test_self_instruct_keeps_a_question_line_only():
     assert question_from_answer('"How do bees make honey?"\nThey...') == "How do bees make honey?"
     assert question_from_answer("Bees are insects.") is None
     assert question_from_answer("?") is None
+    # Requests and tasks (the other self-instruct forms) have no question mark.
+    assert question_from_answer("Write a Go program that prints a calendar.\n") == \
+        "Write a Go program that prints a calendar."
+    assert question_from_answer("I lost my keys twice this week and feel stressed.") == \
+        "I lost my keys twice this week and feel stressed."

@@ -111,14 +111,24 @@ def test_cli_data_then_eagle3_from_its_hidden_states(target_folder, tmp_path):
     data = tmp_path / "data"
     assert main(["data", "--target", str(folder), "--out", str(data), "--limit", "5",
                  "--self-instruct", "2", "--max-tokens", "6", "--batch-size", "4",
-                 "--layers", "1,3,4,7"]) == 0
+                 "--answers", "2", "--layers", "1,3,4,7"]) == 0
     manifest = json.loads((data / "manifest.json").read_text())
     layers, requests = read_hidden_states(data / "hidden")
     assert layers == (1, 3, 4, 7) and manifest["layers"] == [1, 3, 4, 7]
-    # Every answered prompt (and each self-instruct question request) is saved, whole.
-    assert manifest["prompts"] == 5 and len(requests) == 5 + 2
+    # Every answer (two per prompt) and each self-instruct question request is saved, whole
+    # (a request too long for this target's 128-token context is left out, and counted).
+    assert manifest["prompts"] == 5 and manifest["answers"] == 10
+    assert 1 <= manifest["self_instruct"]["asked"] <= 2
+    assert len(requests) == 10 + manifest["self_instruct"]["asked"]
     assert not any(overlaps_heldout(p["text"]) for p in manifest["prompt_texts"])
-    assert sum(manifest["sources"].values()) == 5
+    assert sum(manifest["answers_by_source"].values()) == 10
+    # A spent time budget submits no more prompts, and the manifest says what was answered.
+    spent = tmp_path / "spent"
+    assert main(["data", "--target", str(folder), "--out", str(spent), "--limit", "5",
+                 "--self-instruct", "0", "--max-tokens", "6", "--batch-size", "4",
+                 "--max-seconds", "0"]) == 0
+    manifest = json.loads((spent / "manifest.json").read_text())
+    assert manifest["answers"] == 0 and manifest["prompts"] == 0 and manifest["prompts_made"] == 5
     out = tmp_path / "eagle3"
     assert main(["eagle3", "--target", str(folder), "--out", str(out), "--hidden-states",
                  str(data / "hidden"), "--draft-vocab", "100", "--save-dtype", "bfloat16",

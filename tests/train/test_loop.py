@@ -21,11 +21,21 @@ def toy_step(state, batch):
     return {"w": w}, {"loss": w.sum(), "grad_norm": jnp.abs(batch).sum()}
 
 
-def run(work, stop_after=None):
+def run(work, stop_after=None, stop_at=None):
     return run_training({"w": jnp.zeros(3)}, toy_step, lambda step: jnp.full(3, step + 1.0), TC,
                         work, meta={"toy": True}, log=LOG,
                         evaluate=lambda s: ({"val_loss": float(s["w"][0])}, "val"),
-                        stop_after=stop_after, progress=False)
+                        stop_after=stop_after, progress=False, stop_at=stop_at)
+
+
+def test_a_spent_time_budget_ends_the_run_after_one_saved_resumable_step(tmp_path, capsys):
+    import time
+    first, entries = run(tmp_path, stop_at=time.perf_counter())
+    assert float(first["w"][0]) == 1 and [e["step"] for e in entries] == [1]
+    assert stopped_early(entries, TC) and "out of time after step 1 of 6" in \
+        capsys.readouterr().out
+    resumed, _ = run(tmp_path)
+    assert float(resumed["w"][0]) == sum(range(1, 7))
 
 
 def test_resumed_run_equals_uninterrupted(tmp_path, capsys):

@@ -47,6 +47,10 @@ def add_arguments(p: argparse.ArgumentParser, kind: str) -> None:
     r.add_argument("--restart", action="store_true", help="discard saved steps under <out>/work")
     r.add_argument("--stop-after", type=int, default=None,
                    help="stop after this many steps (resumable); default: run to --steps")
+    r.add_argument("--max-seconds", type=float, default=None,
+                   help="a time budget from start-up: training ends at the first step after it "
+                        "and the head is exported as it stands (the log records the step; the "
+                        "same command with more time resumes it)")
     r.add_argument("--report-windows", type=int, default=32,
                    help="validation windows in the final acceptance report")
     r.add_argument("--no-progress", action="store_true",
@@ -67,6 +71,7 @@ def run(kind: str, args: argparse.Namespace, argv: list[str], spec_fields: Calla
         export_fn: Callable) -> int:
     """Shared driver: spec_fields(target_config) -> the kind-specific HeadSpec fields;
     export_fn(out, head, target, spec, log) writes the weights (and may add to the log)."""
+    started = time.perf_counter()
     out: Path = args.out
     work = out / WORK_DIR
     if args.restart:
@@ -100,9 +105,10 @@ def run(kind: str, args: argparse.Namespace, argv: list[str], spec_fields: Calla
     print(f"{spec.label} head for {args.target} ({cfg.num_layers} layers, hidden "
           f"{cfg.hidden_size}, vocab {cfg.vocab_size}); data: {source.description}; {tc.steps} "
           f"steps x {tc.batch_size} x {tc.seq_len} tokens, depth {spec.depth}", flush=True)
+    stop_at = None if args.max_seconds is None else started + args.max_seconds
     head, entries = train_head(spec, tc, target, source, work, args.stop_after,
-                               progress=not args.no_progress)
-    if stopped_early(entries, tc):
+                               progress=not args.no_progress, stop_at=stop_at)
+    if stopped_early(entries, tc) and stop_at is None:
         return 0
     batches = source.val_batches(min(tc.batch_size, 4), tc.seq_len, args.report_windows)
     start = time.perf_counter()
@@ -115,7 +121,8 @@ def run(kind: str, args: argparse.Namespace, argv: list[str], spec_fields: Calla
     log = {"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
            "commands": commands, "head_spec": dataclasses.asdict(spec),
            "train_config": dataclasses.asdict(tc), "data": source.description,
-           "report": report, "vocab_size": cfg.vocab_size, "entries": compact_log(entries)}
+           "report": report, "vocab_size": cfg.vocab_size, "entries": compact_log(entries),
+           "steps_done": max((e["step"] for e in entries), default=0)}
     size = export_head(out, head, target, spec, args, log, table, export_fn)
     print(f"exported {out} ({size / 1e6:.2f} MB <= {SIZE_LIMIT_BYTES / 1e6:.0f} MB): E[AL] "
           f"{report['expected_acceptance_length']:.3f} at depth {spec.depth}", flush=True)

@@ -5,14 +5,13 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import platform
 from pathlib import Path
 from typing import Callable
 
 import jax
 
 from specjax.train.heads.spec import HeadSpec
-from specjax.train.workdir import LOG_NAME, wall_seconds
+from specjax.train.workdir import LOG_NAME, hardware, wall_seconds
 
 # Every shipped head folder stays under this: checkpoints/ holds at most 80 MB in all.
 SIZE_LIMIT_BYTES = 24_000_000
@@ -45,6 +44,7 @@ def export_head(out: Path, head, target, spec: HeadSpec, args: argparse.Namespac
 def write_model_card(out: Path, spec: HeadSpec, args: argparse.Namespace, log: dict,
                      table: str) -> None:
     tc = log["train_config"]
+    done = log.get("steps_done", tc["steps"])
     wall = wall_seconds(log["entries"])
     val = next((e for e in reversed(log["entries"]) if "val_loss" in e), None)
     if spec.kind == "eagle3":
@@ -111,11 +111,13 @@ def write_model_card(out: Path, spec: HeadSpec, args: argparse.Namespace, log: d
         f"- data: {log['data']}",
         f"- labels: the target's next-token distribution (soft cross-entropy); {training}; "
         f"step j weighted {spec.step_weight}^(j-1)",
-        f"- {tc['steps']} steps of {tc['batch_size']} x {tc['seq_len']} tokens; AdamW (b1 "
+        f"- {done} steps of {tc['batch_size']} x {tc['seq_len']} tokens"
+        + (f" (of {tc['steps']} planned: the time budget ended the run)" if done < tc["steps"]
+           else "") + f"; AdamW (b1 "
         f"{tc['b1']}, b2 {tc['b2']}, weight decay {tc['weight_decay']}), peak lr {tc['lr']:g}, "
         f"{tc['warmup']} warm-up steps, cosine to {tc['lr'] * tc['min_lr_ratio']:g}, clip "
         f"{tc['clip_norm']}",
-        f"- hardware: {platform.machine()} CPU, JAX {jax.__version__}"
+        f"- hardware: {hardware()}, JAX {jax.__version__}"
         + (f", {wall / 60:.0f} min wall time" if wall else ""),
         *([f"- final validation loss {val['val_loss']:.4f} (first {tc['eval_windows']} windows)"]
           if val else []),

@@ -92,7 +92,8 @@ HEAD_LOG = LogFormat(
 
 
 def train_head(spec: HeadSpec, tc: TrainConfig, target: Llama, source: DataSource, work: Path,
-               stop_after: int | None = None, progress: bool = True):
+               stop_after: int | None = None, progress: bool = True,
+               stop_at: float | None = None):
     """Train (or resume) to `tc.steps`; -> (head, log entries)."""
     head = new_head(spec, target, tc.seed, source.token_counts(target.config.vocab_size))
     head_def, params, rest = split_head(head)
@@ -113,6 +114,6 @@ def train_head(spec: HeadSpec, tc: TrainConfig, target: Llama, source: DataSourc
         state, lambda state, batch: step_fn(state, rest, target_state, batch),
         lambda step: source.train_batch(tc.seed, step, tc.batch_size, tc.seq_len), tc, work,
         meta={"head_spec": dataclasses.asdict(spec), "train_config": dataclasses.asdict(tc)},
-        log=HEAD_LOG, evaluate=evaluate if val_batches else None, stop_after=stop_after,
+        log=HEAD_LOG, evaluate=evaluate if val_batches else None, stop_after=stop_after, stop_at=stop_at,
         progress=progress)
     return nnx.merge(head_def, state["params"], rest), entries
