@@ -28,10 +28,12 @@ SHIPPED_FOR_MODEL = {
 }
 # Per target name, the modes its default (and AUTO) tries in order, the first whose drafter
 # ships winning: the order `python -m specjax.bench spec` measured (fastest first; README.md's
-# tables give the figures). A drafter ships for a target only once it measured faster than
-# plain decoding there (none for SmolLM2 yet: README.md, "Drafters for SmolLM2").
+# tables give the figures). A target listed with no modes was measured and decodes fastest
+# plainly: its shipped drafters serve a config that names their mode, and its default and
+# AUTO do not speculate (SmolLM2: its EAGLE-3 head ran at 0.78x plain decoding on this
+# project's 2-core CPU; README.md, "Drafters for SmolLM2").
 DEFAULT_ORDER = {"bundled": (M.EAGLE3_ONE_MODEL, M.DRAFT_TARGET_ONE_MODEL),
-                 "smollm2": (M.EAGLE3_ONE_MODEL, M.DFLASH)}
+                 "smollm2": ()}
 
 # One example per mode that --speculative-config takes by name (CLI help).
 EXAMPLES = {
@@ -70,8 +72,8 @@ def _mtp_modules(name: str) -> int:
 
 def default_speculative_config(model: str | os.PathLike) -> SpeculativeConfig | None:
     """The fastest mode shipped for `model` (`DEFAULT_ORDER`, as `python -m specjax.bench spec`
-    measured it): for the bundled target EAGLE-3 with its trained head, else draft-target; for
-    SmolLM2 its EAGLE-3 head, else its DFlash drafter; none for other models. Sampled requests
+    measured it): for the bundled target EAGLE-3 with its trained head, else draft-target;
+    none for SmolLM2 (measured: plain decoding is faster) and other models. Sampled requests
     use rejection sampling (the in-step drafters' default)."""
     drafters = shipped_for(model)
     for mode in DEFAULT_ORDER.get(str(model), ()):
@@ -84,13 +86,17 @@ def default_speculative_config(model: str | os.PathLike) -> SpeculativeConfig | 
 def resolve_auto(config: SpeculativeConfig | None, model: str | os.PathLike | None,
                  max_batch_size: int) -> SpeculativeConfig | None:
     """AutoConfig -> the concrete config it stands for (anything else unchanged): the drafter
-    shipped for `model` (None: a model given as an instance, which ships none), else the
+    shipped for `model` (None: a model given as an instance, which ships none); None (plain
+    decoding) for a target measured fastest without speculation (`DEFAULT_ORDER`); else the
     reference's NGram heuristic -- D = 5 and n-grams up to 3 for max_batch_size <= 4, D = 3
     and n-grams up to 5 above; speculation off while more than `max_concurrency` requests run.
     The choice is logged."""
     if not isinstance(config, AutoConfig):
         return config
     chosen = default_speculative_config(model) if model is not None else None
+    if chosen is None and model is not None and DEFAULT_ORDER.get(str(model)) == ():
+        log.info("speculative_config AUTO -> none: %s measured fastest decoding plainly", model)
+        return None
     if chosen is None:
         small = max_batch_size <= 4
         chosen = NGramConfig(max_draft_len=5 if small else 3,

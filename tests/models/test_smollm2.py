@@ -113,3 +113,22 @@ def test_chat_completion_through_the_server(llm):
     assert choice["message"]["content"] == direct.text
     assert llm.engine.allocator.num_free_blocks == llm.engine.allocator.total_blocks
 
+
+
+@pytest.mark.slow
+def test_the_shipped_eagle3_head_is_exact_and_accepts_its_drafts(llm):
+    """The EAGLE-3 head shipped for SmolLM2 (checkpoints/smollm2-eagle3), read by a config that
+    names the mode only: greedy output equal to plain decoding's token for token, drafts
+    accepted (a head read with the wrong capture layers or draft-vocabulary map is almost
+    never accepted: AL near 1), and the pool back to full."""
+    spec = specjax.LLM("smollm2", max_batch_size=4, max_model_len=512, progress=False,
+                       speculative_config=specjax.EagleConfig(max_draft_len=4))
+    assert spec.speculative_config.speculative_model == "smollm2-eagle3"
+    prompts = [chat_ids(llm, q) for q in QUESTIONS]
+    params = specjax.SamplingParams(max_tokens=TOKENS, temperature=0)
+    plain = llm.generate(prompts, params)
+    drafted = spec.generate(prompts, params)
+    assert [o.token_ids for o in drafted] == [o.token_ids for o in plain]
+    print(f"AL {spec.stats.acceptance_length:.2f}")
+    assert spec.stats.acceptance_length > 1.25
+    assert spec.engine.allocator.num_free_blocks == spec.engine.allocator.total_blocks

@@ -5,6 +5,7 @@ import json
 import pytest
 
 from specjax.speculative import defaults
+from specjax.speculative.modes import SpeculativeDecodingMode as M
 from specjax.speculative.config import (AutoConfig, DFlashConfig, EagleConfig, MTPConfig,
                                         NGramConfig)
 from specjax.speculative.defaults import (default_speculative_config, parse_speculative_config,
@@ -22,18 +23,22 @@ def checkpoints(tmp_path, monkeypatch):
     return ship
 
 
-def test_smollm2_reads_its_own_eagle3_head_and_dflash_drafter(checkpoints):
+def test_smollm2_reads_its_own_eagle3_head_and_dflash_drafter(checkpoints, monkeypatch):
     assert default_speculative_config("smollm2") is None  # nothing shipped yet
     checkpoints("smollm2-dflash")
-    assert default_speculative_config("smollm2") == DFlashConfig(
-        max_draft_len=4, speculative_model="smollm2-dflash")
     checkpoints("smollm2-eagle3")
-    assert default_speculative_config("smollm2") == EagleConfig(
-        max_draft_len=4, speculative_model="smollm2-eagle3")
+    # Measured: plain decoding is SmolLM2's fastest, so its default and AUTO do not speculate,
+    # while a config naming a mode reads the shipped drafter.
+    assert default_speculative_config("smollm2") is None
+    assert resolve_auto(AutoConfig(), "smollm2", 4) is None
     assert with_shipped_drafter(EagleConfig(max_draft_len=3), "smollm2").speculative_model \
         == "smollm2-eagle3"
     assert parse_speculative_config("dflash", "smollm2").speculative_model == "smollm2-dflash"
-    # AUTO follows the default; a model given another way ships nothing.
+    # Once a drafter measures faster and joins the order, the default and AUTO take it; a
+    # model given another way ships nothing (AUTO: the NGram heuristic).
+    monkeypatch.setitem(defaults.DEFAULT_ORDER, "smollm2", (M.EAGLE3_ONE_MODEL, M.DFLASH))
+    assert default_speculative_config("smollm2") == EagleConfig(
+        max_draft_len=4, speculative_model="smollm2-eagle3")
     assert resolve_auto(AutoConfig(), "smollm2", 4).speculative_model == "smollm2-eagle3"
     assert isinstance(resolve_auto(AutoConfig(), "/some/file.gguf", 4), NGramConfig)
     assert [type(c) for c in shipped_configs(4, "smollm2")] == [NGramConfig, EagleConfig,

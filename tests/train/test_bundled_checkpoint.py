@@ -230,6 +230,24 @@ def test_shipped_drafters_and_checkpoints_fit_their_budgets():
     assert folder_bytes(CHECKPOINTS) <= 80_000_000
 
 
+def test_smollm2_head_card_states_its_logged_report_and_its_data_avoid_the_bench():
+    """The SmolLM2 head was trained on an H200 from data that is not here: its card carries
+    its training log's report, it loads in the public EAGLE-3 layout, and none of its
+    training prompts shares a 6-word run with the bench's held-out requests."""
+    from specjax.analysis.heldout import overlaps_heldout
+    from specjax.models.eagle3_checkpoint import load_eagle3_head
+    folder = CHECKPOINTS / "smollm2-eagle3"
+    rows, eal, anchors = card_acceptance(card(folder))
+    report = training_log(folder)["report"]
+    assert report["expected_acceptance_length"] == pytest.approx(eal, abs=5e-4)
+    assert report["anchors"] == anchors and len(rows) == 4
+    config = load_eagle3_head(folder).config
+    assert (config.draft_vocab_size, tuple(config.aux_hidden_state_layers)) == (8192, (1, 14, 26))
+    manifest = json.loads((folder / "data_manifest.json").read_text())
+    assert manifest["prompts"] == len(manifest["prompt_texts"]) > 1000
+    assert not any(overlaps_heldout(p["text"]) for p in manifest["prompt_texts"])
+
+
 def test_parallel_drafter_cards_state_their_block_report():
     """PARD and DFlash cards carry the exact block report of their trainer (greedy, block of
     D) and the logged E[AL] matches the card's."""
