@@ -4,8 +4,14 @@
 # with .gpu/smollm2.gguf.sha256), the two wheels the machine lacks in .whl/. Each stage has a
 # time budget, so a slower machine yields less data or fewer steps rather than nothing.
 #
-#   split -n 2 -d "$GGUF" .gpu/smollm2.gguf.part    # here; carry .gpu and .whl over two calls
-#   DATA_SECONDS=240 TRAIN_SECONDS=240 bash scripts/gpu_selfdistill.sh   # there
+#   split -n 2 -d "$GGUF" .gpu/smollm2.gguf.part    # here
+#   # call 1 carries .gpu/smollm2.gguf.part00 and copies it to /tmp/p (ignored files under a
+#   # carried folder do not outlast a call; /tmp on the warm machine does); call 2 carries
+#   # part01, the .sha256 and .whl, and runs:
+#   cat /tmp/p/smollm2.gguf.part00 .gpu/smollm2.gguf.part01 > /tmp/p/smollm2.gguf
+#   GGUF=/tmp/p/smollm2.gguf bash scripts/gpu_selfdistill.sh
+#
+# The defaults are the run that made checkpoints/smollm2-eagle3 (one H200, about 6 minutes).
 #
 # What comes back (under $OUT): the data and training logs, the data manifest, the exported
 # head as a tar in parts of at most 15 MB (cat head.tar.* | tar x).
@@ -30,17 +36,17 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null | tee
 # Data: every prompt answered twice (the second sampled), batch 256, the matmuls in float32.
 JAX_DEFAULT_MATMUL_PRECISION=highest python3 -m specjax.train data --target "$GGUF" \
     --out "$WORK/data" --batch-size "${BATCH:-256}" --max-tokens "${MAX_TOKENS:-256}" \
-    --self-instruct "${ASK:-6144}" --answers "${ANSWERS:-2}" ${LIMIT:+--limit $LIMIT} \
-    --max-seconds "${DATA_SECONDS:-240}" --max-model-len "${MAX_LEN:-768}" \
+    --self-instruct "${ASK:-3072}" --answers "${ANSWERS:-2}" --limit "${LIMIT:-3000}" \
+    --max-seconds "${DATA_SECONDS:-190}" --max-model-len "${MAX_LEN:-768}" \
     --prefill-chunk "${PREFILL_CHUNK:-256}" --max-prefill-rows "${PREFILL_ROWS:-8}" \
     2>&1 | grep -v "it/s\]$" | tee "$OUT/data.log"
 cp "$WORK/data/manifest.json" "$OUT/" || exit 1
 
 python3 -m specjax.train eagle3 --target "$GGUF" --hidden-states "$WORK/data/hidden" \
-    --out "$WORK/smollm2-eagle3" --layers 1,14,26 --draft-vocab "${DRAFT_VOCAB:-6144}" \
-    --steps "${STEPS:-3000}" --batch-size "${TRAIN_BATCH:-32}" --seq-len "${SEQ_LEN:-512}" \
+    --out "$WORK/smollm2-eagle3" --layers 1,14,26 --draft-vocab "${DRAFT_VOCAB:-8192}" \
+    --steps "${STEPS:-2000}" --batch-size "${TRAIN_BATCH:-32}" --seq-len "${SEQ_LEN:-512}" \
     --lr "${LR:-2e-3}" --warmup "${WARMUP:-100}" --save-dtype bfloat16 \
-    --max-seconds "${TRAIN_SECONDS:-240}" --no-progress 2>&1 | tee "$OUT/train.log"
+    --max-seconds "${TRAIN_SECONDS:-250}" --no-progress 2>&1 | tee "$OUT/train.log"
 rm -rf "$WORK/smollm2-eagle3/work"
 tar cf - -C "$WORK" smollm2-eagle3 | split -b 15M -d - "$OUT/head.tar."
 ls -la "$OUT"

@@ -64,6 +64,11 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     from specjax import LLM, SamplingParams, SaveHiddenStatesConfig
     from specjax.chat import ChatTemplate
     out: Path = args.out
+    if args.answers < 1:
+        raise SystemExit(f"--answers must be >= 1, got {args.answers}")
+    if args.answers > 1 and args.temperature == 0:
+        raise SystemExit("--answers > 1 needs --temperature > 0: greedy answers to the same "
+                         "prompt are all the same")
     if (out / "hidden").exists() and any((out / "hidden").iterdir()):
         raise SystemExit(f"--out {out}: {out / 'hidden'} already holds files; pick a new folder")
     start = time.perf_counter()
@@ -97,8 +102,9 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     random.Random(args.seed).shuffle(made)
     kept = [(source, text) for source, text in made if not overlaps_heldout(text)]
     dropped = len(made) - len(kept)
-    too_long = sum(not fits(text) for _, text in kept)
-    kept = [(source, text) for source, text in kept if fits(text)]
+    fit = [fits(text) for _, text in kept]
+    too_long = fit.count(False)
+    kept = [prompt for prompt, ok in zip(kept, fit) if ok]
     if args.limit is not None:
         kept = kept[:args.limit]
     jobs = [(i, answer) for answer in range(args.answers) for i in range(len(kept))]
@@ -120,11 +126,13 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     sources: dict[str, int] = {}
     for i, _ in answered_jobs:
         sources[kept[i][0]] = sources.get(kept[i][0], 0) + 1
+    # The first answers run in prompt order, so the prompts answered are a prefix of `kept`.
+    n_prompts = len({i for i, _ in answered_jobs})
     answered = [len(o.token_ids) for o in outputs]
     manifest = {
         "target": str(args.target), "dtype": args.dtype, "layers": list(layers),
         "command": "python -m specjax.train data " + " ".join(argv[1:]),
-        "prompts": len({i for i, _ in answered_jobs}), "prompts_made": len(kept),
+        "prompts": n_prompts, "prompts_made": len(kept),
         "answers": len(answered_jobs), "answers_per_prompt": args.answers,
         "answers_by_source": sources,
         "self_instruct": {"asked": len(asks), "usable_questions": len(questions),
@@ -140,8 +148,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
                            for r in {o.finish_reason for o in outputs}},
         "files": sorted(p.name for p in (out / "hidden").glob("*.safetensors")),
         "seconds": round(time.perf_counter() - start, 1),
-        "prompt_texts": [{"source": s, "text": t}
-                         for s, t in kept[:len({i for i, _ in answered_jobs})]],
+        "prompt_texts": [{"source": s, "text": t} for s, t in kept[:n_prompts]],
     }
     (out / "manifest.json").write_text(json.dumps(manifest, indent=1))
     print(f"{len(answered_jobs)} answers to {len(kept)} prompts ({dropped} dropped as held-out "

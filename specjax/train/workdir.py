@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import platform
 import shlex
 from pathlib import Path
 
@@ -82,9 +83,6 @@ def check_same_run(work: Path, run_config, tc: TrainConfig, argv: list[str]) -> 
 def hardware() -> str:
     """What a model card names as the training hardware: the accelerator JAX ran on, or the
     CPU's architecture."""
-    import platform
-
-    import jax
     device = jax.devices()[0]
     if device.platform == "cpu":
         return f"{platform.machine()} CPU"

@@ -138,3 +138,17 @@ def test_cli_data_then_eagle3_from_its_hidden_states(target_folder, tmp_path):
                 if k not in ("d2t", "t2d")} == {"BF16"}
     assert load_eagle3_head(out).config.draft_vocab_size == 100
     assert "bfloat16" in (out / "MODEL_CARD.md").read_text()
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--answers", "2", "--temperature", "0"], "greedy answers to the same prompt"),
+    (["--answers", "0"], "--answers must be >= 1"),
+])
+def test_cli_data_refuses_answers_that_add_nothing_before_loading(tmp_path, flags, message):
+    """Repeated greedy answers would be copies; no answers is no data: both are refused before
+    any model loads (the target named here does not exist)."""
+    with pytest.raises(SystemExit) as e:
+        main(["data", "--target", str(tmp_path / "missing"), "--out", str(tmp_path / "d"),
+              *flags])
+    assert message in str(e.value)
+    assert not (tmp_path / "d").exists()

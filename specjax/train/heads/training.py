@@ -114,6 +114,6 @@ def train_head(spec: HeadSpec, tc: TrainConfig, target: Llama, source: DataSourc
         state, lambda state, batch: step_fn(state, rest, target_state, batch),
         lambda step: source.train_batch(tc.seed, step, tc.batch_size, tc.seq_len), tc, work,
         meta={"head_spec": dataclasses.asdict(spec), "train_config": dataclasses.asdict(tc)},
-        log=HEAD_LOG, evaluate=evaluate if val_batches else None, stop_after=stop_after, stop_at=stop_at,
-        progress=progress)
+        log=HEAD_LOG, evaluate=evaluate if val_batches else None, stop_after=stop_after,
+        stop_at=stop_at, progress=progress)
     return nnx.merge(head_def, state["params"], rest), entries
