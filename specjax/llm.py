@@ -136,6 +136,12 @@ class LLM:
         cache), so that generating never compiles afterwards."""
         self.engine.warmup(progress=self.progress if progress is None else progress)
 
+    def measure_costs(self, repeats: int = 7):
+        """Time every compiled generation step again (after the machine's load changed): the
+        table the cost model chooses draft lengths from (`specjax.engine.costs.CostTable`;
+        `warmup` measures it first). Returns it; `print(table.format())` shows it."""
+        return self.engine.measure_costs(repeats)
+
     @property
     def speculative_config(self) -> SpeculativeConfig | None:
         """The speculation the engine runs (what an AutoConfig resolved to; a bundled

@@ -30,6 +30,7 @@ from specjax.engine.output import logprob_entries
 from specjax.engine.prefix_cache import PrefixCachePolicy
 from specjax.engine.request import Request, Status
 from specjax.engine.stats import EngineStats, StepRecord
+from specjax.speculative.cost_model import AcceptanceModel
 from specjax.speculative.schedule import SpeculationGate
 
 
@@ -41,6 +42,8 @@ class GenerationRow:
     request: Request
     reserve: int     # KV positions reserved from the newest token on (`reserve_for`)
     drafted: int     # drafts the host knows of (host drafters); the device reports its own
+    proposed: int = 0  # drafts the row held when dispatched (a host drafter's proposal, an
+                       # in-step drafter's previous draft length), before this step's cut
 
 
 @dataclasses.dataclass
@@ -62,8 +65,10 @@ class Bookkeeper:
     def __init__(self, allocator: BlockAllocator, stats: EngineStats, rewinds: bool,
                  gate: SpeculationGate | None = None,
                  recorder: HiddenStateRecorder | None = None,
-                 prefix_cache: PrefixCachePolicy | None = None):
+                 prefix_cache: PrefixCachePolicy | None = None,
+                 acceptance: AcceptanceModel | None = None):
         self.allocator = allocator
+        self.acceptance = acceptance
         self.prefix_cache = prefix_cache
         self.stats = stats
         self.rewinds = rewinds
@@ -114,7 +119,7 @@ class Bookkeeper:
         hidden = np.asarray(out.hidden_states) if self.recorder is not None else None
         advanced, failed = [], []
         settled = [] if self.stats.trace is not None else None  # rows for the trace
-        accepted_sum, drafted_sum, with_drafts = 0, 0, 0
+        accepted_sum, drafted_sum, with_drafts, proposed_sum = 0, 0, 0, 0
         for i, row in enumerate(step.rows):
             request = row.request
             if request.status is not Status.RUNNING:
@@ -132,11 +137,15 @@ class Bookkeeper:
                 failed.append((request, e))
                 continue
             stats = request.stats
+            proposed_sum += row.proposed
             stats.num_draft_tokens += num_drafts_verified
             stats.num_accepted_draft_tokens += num_accepted
             if num_drafts_verified > 0:
                 stats.num_steps_with_drafts += 1
                 self.stats.record_request_step(num_drafts_verified, num_accepted)
+                if self.acceptance is not None:
+                    self.acceptance.update(request.request_id, num_drafts_verified,
+                                           num_accepted)
                 with_drafts += 1
                 accepted_sum += num_accepted
                 drafted_sum += num_drafts_verified
@@ -149,18 +158,20 @@ class Bookkeeper:
                 continue
             advanced.append((request, tokens, logprobs))
             if settled is not None:
-                settled.append((request.request_id, num_drafts_verified, num_accepted))
-        self.stats.record_step(with_drafts, accepted_sum, drafted_sum)
+                settled.append((request.request_id, num_drafts_verified, num_accepted,
+                                row.proposed))
+        self.stats.record_step(with_drafts, accepted_sum, drafted_sum, step.draft_len,
+                               proposed_sum)
         tripped = False
         if self.gate is not None and drafted_sum > 0:
             tripped, _ = self.gate.record_acceptance_rate(accepted_sum / drafted_sum)
         if settled is not None:
-            ids, verified, accepted = zip(*settled) if settled else ((), (), ())
+            ids, verified, accepted, proposed = zip(*settled) if settled else ((),) * 4
             self.stats.trace.append(StepRecord(
                 step.draft_len, ids, verified, accepted,
                 None if self.gate is None else self.gate.rolling_mean(),
                 self.gate is not None and self.gate.disabled, time.perf_counter(),
-                self.stats.draft_time))
+                self.stats.draft_time, proposed))
         return advanced, tripped, failed
 
     def _give_back(self, request: Request, row: GenerationRow, step_id: int, num_accepted: int,

@@ -219,9 +219,14 @@ class EngineSnapshot:
     acceptance_rate: float | None = None
     acceptance_per_position: tuple[float, ...] = ()
     draft_overhead: float | None = None
+    proposed_tokens: int = 0
+    verified_tokens: int = 0
+    accepted_tokens: int = 0
+    draft_len_histogram: tuple[int, ...] = ()
+    step_costs: tuple[tuple[tuple[int, int], float], ...] = ()   # ((bucket, width), seconds)
 
     @classmethod
-    def of(cls, stats, scheduler, allocator, num_steps: int) -> EngineSnapshot:
+    def of(cls, stats, scheduler, allocator, num_steps: int, costs=None) -> EngineSnapshot:
         running = scheduler.running
         return cls(
             running=len(running), waiting=len(scheduler.waiting),
@@ -233,4 +238,7 @@ class EngineSnapshot:
             prefix_cache_blocks=allocator.num_cached_blocks,
             acceptance_length=stats.acceptance_length, acceptance_rate=stats.acceptance_rate,
             acceptance_per_position=tuple(stats.acceptance_per_position),
-            draft_overhead=stats.draft_overhead)
+            draft_overhead=stats.draft_overhead, proposed_tokens=stats.proposed_tokens,
+            verified_tokens=stats.drafted_tokens, accepted_tokens=stats.accepted_draft_tokens,
+            draft_len_histogram=tuple(stats.draft_len_histogram),
+            step_costs=() if costs is None else tuple(sorted(costs.seconds.items())))

@@ -29,6 +29,7 @@ from specjax.engine.allocator import BlockAllocator
 from specjax.engine.bookkeeper import Bookkeeper, DispatchedStep, GenerationRow
 from specjax.engine.config import (EngineConfig, EngineSnapshot,  # noqa: F401 (re-export)
                                    bucket, for_model, free_memory, kv_sizing)
+from specjax.engine.costs import CostTable, measure
 from specjax.engine.executor import Executor
 from specjax.engine.grammar import Grammars, check_guided
 from specjax.engine.hidden_states import HiddenStateRecorder
@@ -41,11 +42,19 @@ from specjax.models.llama import Llama
 from specjax.sampling_params import SamplingParams
 from specjax.speculative.build import build_speculation
 from specjax.speculative.config import SpeculativeConfig
+from specjax.speculative.cost_model import AcceptanceModel, candidate_lengths, choose_draft_len
 from specjax.speculative.defaults import resolve_auto
 from specjax.tokenizer import Tokenizer
 from specjax.validation import check_draft_tokens, check_request
 
 log = logging.getLogger("specjax.engine")
+# Every this many generation steps the cost model runs, for EXPLORE_STEPS steps, the draft
+# length whose real cost it observed longest ago (`CostTable.stalest`) instead of its
+# choice, so no length's cost or acceptance estimate goes stale -- a request whose text
+# turned repetitive, sampled rows that cost more than the warm-up's empty batches. A step's
+# cost is observed only after a step of the same shape (`_observe_cost`): several in a row.
+EXPLORE_EVERY = 128
+EXPLORE_STEPS = 3
 
 
 class Engine:
@@ -84,8 +93,21 @@ class Engine:
                                  blocks_per_seq=blocks_per_seq, num_blocks=num_blocks,
                                  allocator=self.allocator, tp=tp, grammars=self.grammars,
                                  stats=self.stats)
+        # The cost model (`specjax.speculative.cost_model`): the default wherever no
+        # `draft_len_schedule` is configured; it needs measured step costs (`warmup`,
+        # `measure_costs`), and verifies the configured length where none are.
+        self.costs = CostTable()
+        self.adaptive = spec.drafting and spec.config.schedule is None
+        self.acceptance = AcceptanceModel(spec.max_draft_len) if spec.drafting else None
+        self.candidates = candidate_lengths(spec.max_draft_len, spec.tree is not None)
+        self.pinned_draft_len: int | None = None  # an experiment's fixed length (benches)
+        self._since_explore, self._exploring = 0, None
+        self._current: int | None = None   # the cost model's last choice (not exploring)
+        self._explored = False   # the last choice was an exploration
+        self._last_read: tuple[float, int, tuple[int, int]] | None = None  # time, id, shape
+        self._prefill_since_read = False
         self.bookkeeper = Bookkeeper(self.allocator, self.stats, spec.rewinds, self.gate,
-                                     self.recorder, self.prefix_cache)
+                                     self.recorder, self.prefix_cache, self.acceptance)
         self.outputs = OutputProcessor(self.eos_token_ids, tokenizer, self.stats)
         self.overlap = config.overlap_scheduler
         self.requests: dict[int, Request] = {}
@@ -114,13 +136,61 @@ class Engine:
         return self.executor.state
 
     def snapshot(self) -> EngineSnapshot:
-        return EngineSnapshot.of(self.stats, self.scheduler, self.allocator, self.num_steps)
+        return EngineSnapshot.of(self.stats, self.scheduler, self.allocator, self.num_steps,
+                                 self.costs)
 
     def draft_len_for(self, batch_size: int) -> int:
-        """The runtime draft length for a generation batch of this size (0 = plain decoding)."""
+        """The draft length of a generation batch of this size before the cost model's choice
+        (0 = plain decoding): the schedule's (or the longest), 0 once the gate has tripped."""
         if self.gate is not None and self.gate.disabled:
             return 0
         return self.speculation.draft_len_for(batch_size)
+
+    def step_costs(self, batch_size: int) -> dict[int, float]:
+        """draft length -> measured seconds of its step, for the bucket of this batch size
+        ({} where that bucket is not measured)."""
+        measured = self.costs.for_bucket(bucket(batch_size, self.executor.decode_buckets))
+        width = lambda d: self.speculation.verify_len(d) + 1
+        return {d: measured[width(d)] for d in self.candidates if width(d) in measured}
+
+    def choose_draft_len(self, requests: list[Request], caps=None,
+                         longest: int | None = None) -> int:
+        """This step's draft length for these rows: the cost model's choice among the
+        measured lengths (up to `longest`; `caps` `[rows]`: drafts each row can verify), or
+        `draft_len_for` where there is no choice to make."""
+        fixed = self.draft_len_for(len(requests))
+        if self.pinned_draft_len is not None and fixed:
+            return min(self.pinned_draft_len, self.speculation.max_draft_len)
+        if not (self.adaptive and fixed):
+            return fixed
+        costs = self.step_costs(len(requests))
+        if longest is not None:
+            costs = {d: t for d, t in costs.items() if d <= longest}
+        if 0 not in costs or len(costs) < 2:
+            return fixed if longest is None else min(fixed, longest)
+        if longest is not None:  # a host drafter's second look: its proposals are known
+            if self._explored:   # an exploring step runs the length it explores
+                return longest
+            survival = self.acceptance.survival([r.request_id for r in requests])
+            return choose_draft_len(survival, costs, caps)
+        self._since_explore += 1
+        self._explored = True
+        if self._exploring and self._exploring[1] > 0 and self._exploring[0] in costs:
+            self._exploring = (self._exploring[0], self._exploring[1] - 1)
+            return self._exploring[0]
+        if self._since_explore >= EXPLORE_EVERY:
+            self._since_explore = 0
+            b = bucket(len(requests), self.executor.decode_buckets)
+            width = {self.speculation.verify_len(d) + 1: d for d in costs}
+            stalest = self.costs.stalest(b, width)
+            self.costs.touch(b, stalest)
+            choice = width[stalest]
+            self._exploring = (choice, EXPLORE_STEPS - 1)
+            return choice
+        self._explored = False
+        survival = self.acceptance.survival([r.request_id for r in requests])
+        self._current = choose_draft_len(survival, costs, caps, self._current)
+        return self._current
 
     def _overlaps(self, draft_len: int, rows: list[GenerationRow]) -> bool:
         """Whether a generation step of this draft length may be read one call late: its runs
@@ -133,18 +203,35 @@ class Engine:
     # -- warm-up -----------------------------------------------------------------------------
 
     def generation_shapes(self) -> set[tuple[int, int]]:
-        """(batch bucket, run width) of every generation step serving can dispatch."""
+        """(batch bucket, run width) of every generation step serving can dispatch: with the
+        cost model, one per candidate draft length."""
         buckets = self.executor.decode_buckets
         width = lambda d: self.speculation.verify_len(d) + 1
         shapes = {(bucket(n, buckets), width(self.draft_len_for(n)))
                   for n in range(1, self.config.max_batch_size + 1)}
         if self.gate is not None:  # after the gate trips
             shapes |= {(b, 1) for b in buckets}
+        if self.adaptive:
+            shapes |= {(b, width(d)) for b in buckets for d in self.candidates}
         return shapes
 
     def warmup(self, progress: bool = True) -> None:
-        """Compile every step shape serving can use, so serving itself never compiles."""
+        """Compile every step shape serving can use, so serving itself never compiles, and
+        measure what each costs (the cost model's table)."""
         self.executor.warmup(self.generation_shapes(), progress)
+        if self.adaptive:
+            self.measure_costs()
+
+    def measure_costs(self, repeats: int = 7) -> CostTable:
+        """Time every compiled generation shape on this machine (`specjax.engine.costs`):
+        the table the cost model chooses draft lengths from. Run again after the machine's
+        load changes. Compiles any shape not yet compiled."""
+        if self.executor.inflight is not None:
+            self._drain()
+        self.costs = measure(self.executor.run_empty, self.generation_shapes(), repeats)
+        self.stats.step_costs = self.costs
+        log.info("generation step costs:\n%s", self.costs.format())
+        return self.costs
 
     # -- requests ----------------------------------------------------------------------------
 
@@ -206,12 +293,27 @@ class Engine:
         self.stats.step_time += time.perf_counter() - start
         return [r.output() for r in self._advanced.values()]
 
+    def _observe_cost(self, step: DispatchedStep) -> None:
+        """What a generation shape really costs: the time from reading one generation step to
+        reading the next of the same shape, when no prompt chunk ran between (the caller's
+        loop included; with the overlap scheduler that is the device's time for the step
+        read, or the host's iteration where the host is slower)."""
+        now = time.perf_counter()
+        shape = (bucket(len(step.rows), self.executor.decode_buckets), step.verified_len + 1)
+        last, self._last_read = self._last_read, (now, step.step_id, shape)
+        if (last is None or self._prefill_since_read or step.step_id != last[1] + 1
+                or shape != last[2]):  # on a CPU, host and steps share the cores: a step
+            self._prefill_since_read = False  # after another shape times a mix of both
+            return
+        self.costs.observe(*shape, now - last[0])
+
     def _run(self, prefill: list[tuple[Request, int]], rows: list[GenerationRow],
              draft_len: int) -> None:
         """Dispatch this iteration's steps and apply the results that are due."""
         prefill_out = dispatched = None
         drafts = self.executor.slot_drafts(rows, draft_len)
         if prefill:
+            self._prefill_since_read = True
             prefill_out, failed = self.executor.launch_prefill(prefill)
             self._fail_all(failed, "preparing its prompt-chunk row")
         if rows:
@@ -232,7 +334,7 @@ class Engine:
         """Rows whose newest token is pending, with their reservations, and the step's runtime
         draft length."""
         candidates = self.scheduler.generation_candidates()
-        draft_len = self.draft_len_for(len(candidates)) if candidates else 0
+        draft_len = self.choose_draft_len(candidates) if candidates else 0
         if (not runs_on_device(self.worker, draft_len, self.speculation.suffix)
                 or any(r.grammar is not None for r in candidates)):
             # A host drafter needs every token so far, and so does a grammar's next masks.
@@ -249,6 +351,7 @@ class Engine:
             candidates = [r for r in candidates if r.status is Status.RUNNING]
         rows = []
         drafter = self.speculation.drafter
+        reserved = []
         for request in self.scheduler.reserve(candidates, positions):
             if draft_len and drafter is not None:
                 try:
@@ -257,8 +360,18 @@ class Engine:
                     self._fail(request, "drafting for it", e)
                     continue
             room = request.max_len - request.num_tokens - 1
-            rows.append(GenerationRow(request, reserve,
-                                      max(0, min(len(request.draft_tokens), draft_len, room))))
+            reserved.append((request, max(0, min(len(request.draft_tokens), draft_len, room))))
+        if draft_len and drafter is not None and reserved:
+            # A host drafter's proposals are known now: choose again, counting only the
+            # drafts each row has (a row without a match gains nothing from a longer step).
+            caps = np.asarray([n for _, n in reserved])
+            draft_len = self.choose_draft_len([r for r, _ in reserved], caps, draft_len)
+        for request, drafted in reserved:
+            held = request.drafts_held
+            if drafter is not None:
+                held, drafted = drafted, min(drafted, draft_len)
+            request.drafts_held = draft_len  # what this step drafts for the next (in-step)
+            rows.append(GenerationRow(request, reserve, drafted, proposed=held))
         return rows, draft_len
 
     def _propose(self, drafter, request: Request, draft_len: int) -> list[int]:
@@ -280,6 +393,8 @@ class Engine:
                 self._device_fault(e)
 
     def _apply_generation(self, step: DispatchedStep) -> None:
+        if self.adaptive:
+            self._observe_cost(step)
         advanced, gate_tripped, failed = self.bookkeeper.apply(step)
         self._fail_all(failed, "settling its generation step")
         for request, tokens, logprobs in advanced:
@@ -292,6 +407,8 @@ class Engine:
         advanced, failed = self.bookkeeper.apply_prefill(rows, out)
         self._fail_all(failed, "settling its prompt chunk")
         for request, tokens, logprobs in advanced:
+            # A prompt's last chunk drafts the longest length for the first generation step.
+            request.drafts_held = self.speculation.max_draft_len
             self._emit(request, tokens, logprobs)
 
     def _emit(self, request: Request, tokens: list[int],
@@ -348,6 +465,8 @@ class Engine:
         self._advanced[request.request_id] = request
         request.stats.finish_time = time.perf_counter()
         hooks = [self.outputs.finish]
+        if self.acceptance is not None:
+            hooks.append(lambda r: self.acceptance.forget(r.request_id))
         if self.prefix_cache is not None:
             hooks.append(self.prefix_cache.forget)
         if self.speculation.drafter is not None:

@@ -382,9 +382,14 @@ class Executor:
                   + [("generation", rows, width) for rows, width in sorted(generation_widths)])
         for kind, rows, width in tqdm(shapes, desc="specjax warm-up", disable=not progress,
                                       leave=False):
-            batch = empty_batch(rows, width, self.blocks_per_seq, self.spare_slot,
-                                self.mask_shape(width, kind))
-            jax.block_until_ready(self._update("step", kind, batch))
+            self.run_empty(rows, width, kind)
         if self.suffix is not None:
             self.start_history(self.spare_slot, [])
         self.start_penalties(self.spare_slot, [], 0)
+
+    def run_empty(self, rows: int, width: int, kind: str = "generation") -> None:
+        """One step on an all-padding batch of this shape, waited for (compiles it the first
+        time; `specjax.engine.costs` times it)."""
+        batch = empty_batch(rows, width, self.blocks_per_seq, self.spare_slot,
+                            self.mask_shape(width, kind))
+        jax.block_until_ready(self._update("step", kind, batch))

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import Any, Sequence
 
 
 def at_least(accepted_histogram: Sequence[int], depth: int) -> list[float]:
@@ -26,6 +26,7 @@ class StepRecord:
     gate_disabled: bool            # speculation is off for good after this step
     time: float                    # time.perf_counter() when the host settled it
     draft_time: float              # EngineStats.draft_time then (host drafting so far)
+    proposed: tuple[int, ...] = () # [rows] drafts each row held before the step's cut
 
 
 @dataclasses.dataclass
@@ -53,6 +54,8 @@ class EngineStats:
     request_steps_with_drafts: int = 0
     accepted_draft_tokens: int = 0
     drafted_tokens: int = 0           # drafts verified (the acceptance-rate denominator)
+    proposed_tokens: int = 0          # drafts rows held when dispatched, before the step's
+                                      # draft length cut them (`GenerationRow.proposed`)
     draft_time: float = 0.0           # host drafter time (in-step drafters are inside step_time)
     mask_time: float = 0.0            # host time computing structured output's token masks
     step_time: float = 0.0
@@ -61,8 +64,12 @@ class EngineStats:
     prefix_cache_queries: int = 0     # tokens of admitted requests looked up in the prefix cache
     prefix_cache_hits: int = 0        # of those, tokens whose K/V came from the cache
     verified_histogram: list[int] = dataclasses.field(default_factory=list)
+    # generation steps per draft length chosen (index 0: plain steps)
+    draft_len_histogram: list[int] = dataclasses.field(default_factory=list)
     accepted_histogram: list[int] = dataclasses.field(default_factory=list)
     trace: list[StepRecord] | None = None   # per-step records while tracing, else None
+    # The engine's measured step costs (`specjax.engine.costs.CostTable`; kept by reset)
+    step_costs: Any = None
 
     def record_request_step(self, verified: int, accepted: int) -> None:
         """One request's row of a generation step that verified `verified >= 1` drafts and
@@ -70,7 +77,10 @@ class EngineStats:
         _bump(self.verified_histogram, verified)
         _bump(self.accepted_histogram, accepted)
 
-    def record_step(self, with_drafts: int, accepted: int, drafted: int) -> None:
+    def record_step(self, with_drafts: int, accepted: int, drafted: int, draft_len: int,
+                    proposed: int) -> None:
+        _bump(self.draft_len_histogram, draft_len)
+        self.proposed_tokens += proposed
         if with_drafts:
             self.spec_steps += 1
             self.request_steps_with_drafts += with_drafts
@@ -80,8 +90,9 @@ class EngineStats:
     def reset(self) -> None:
         """Back to zero, in place: the engine's parts share this object. A trace being kept
         is emptied in place (its holder keeps the same list) and stays on."""
-        trace = self.trace
+        trace, costs = self.trace, self.step_costs
         self.__dict__.update(EngineStats().__dict__)
+        self.step_costs = costs
         if trace is not None:
             trace.clear()
             self.trace = trace

@@ -72,11 +72,18 @@ class ServerMetrics:
              "any draft)", lambda: _nan_if_none(snap().acceptance_rate)),
             ("specjax_spec_draft_overhead", "Host drafting time / step time (NaN before any "
              "step)", lambda: _nan_if_none(snap().draft_overhead)),
+            ("specjax_spec_proposed_tokens", "Drafts rows held when their steps were "
+             "dispatched, so far", lambda: snap().proposed_tokens),
+            ("specjax_spec_verified_tokens", "Drafts verified, so far",
+             lambda: snap().verified_tokens),
+            ("specjax_spec_accepted_tokens", "Drafts accepted, so far",
+             lambda: snap().accepted_tokens),
         ]:
             gauge = Gauge(name, doc, registry=self.registry)
             gauge.set_function(read)
             self._gauges[name] = gauge
-        self.registry.register(_PerPosition(snap))
+        for family in _labelled_families(snap):
+            self.registry.register(family)
 
     def observe_finished(self, sub: Submission, event: Event | None) -> None:
         if event is None:
@@ -99,20 +106,36 @@ class ServerMetrics:
         return generate_latest(self.registry)
 
 
-class _PerPosition:
-    """specjax_spec_acceptance_per_position{position="k"}: AR_k, the share of request-steps
-    with drafts that accepted at least k (one series per draft position verified so far)."""
+class _Labelled:
+    """One gauge family whose series come from the snapshot: `rows(snapshot)` yields
+    (label values, value) pairs, read at every scrape."""
 
-    def __init__(self, snap):
-        self._snap = snap
+    def __init__(self, snap, name: str, doc: str, labels: list[str], rows):
+        self._snap, self.name, self.doc, self.labels, self.rows = snap, name, doc, labels, rows
 
     def describe(self):
-        return [GaugeMetricFamily("specjax_spec_acceptance_per_position", "")]
+        return [GaugeMetricFamily(self.name, "")]
 
     def collect(self):
-        family = GaugeMetricFamily(
-            "specjax_spec_acceptance_per_position", "Share of request-steps with drafts that "
-            "accepted at least `position` of them (AR_k)", labels=["position"])
-        for k, rate in enumerate(self._snap().acceptance_per_position, start=1):
-            family.add_metric([str(k)], rate)
+        family = GaugeMetricFamily(self.name, self.doc, labels=self.labels)
+        for labels, value in self.rows(self._snap()):
+            family.add_metric([str(v) for v in labels], value)
         yield family
+
+
+def _labelled_families(snap) -> list[_Labelled]:
+    return [
+        # AR_k: one series per draft position verified so far.
+        _Labelled(snap, "specjax_spec_acceptance_per_position", "Share of request-steps with "
+                  "drafts that accepted at least `position` of them (AR_k)", ["position"],
+                  lambda s: [((k,), rate) for k, rate in
+                             enumerate(s.acceptance_per_position, start=1)]),
+        # The measured step costs the cost model divides by (`specjax.engine.costs`).
+        _Labelled(snap, "specjax_step_cost_seconds", "Measured seconds of the compiled "
+                  "generation step for a batch bucket and run width (1 + drafts verified)",
+                  ["batch", "width"], lambda s: sorted(s.step_costs)),
+        # The cost model's choices.
+        _Labelled(snap, "specjax_spec_steps_by_draft_length", "Generation steps run at each "
+                  "draft length (0: plain decoding), so far", ["draft_len"],
+                  lambda s: [((d,), n) for d, n in enumerate(s.draft_len_histogram) if n]),
+    ]

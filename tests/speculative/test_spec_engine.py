@@ -273,7 +273,10 @@ class RightThenWrong(Oracle):
 
 def test_gate_trips_and_falls_back_without_recompiling(tiny_model, greedy_refs):
     drafter = RightThenWrong(greedy_refs, right=12)
+    # The schedule pins every step at 3 drafts (the cost model, which warm-up would enable,
+    # would pick its own lengths): the gate is what this test watches.
     llm = _llm(tiny_model, UserProvidedConfig(max_draft_len=3, drafter=drafter,
+                                              draft_len_schedule={1: 3},
                                               acceptance_rate_window_size=3,
                                               acceptance_rate_threshold=0.2), warmup=True)
     with count_compilations() as compiled, trace(llm) as steps:
