@@ -120,8 +120,10 @@ def run(args: argparse.Namespace) -> None:
               f"warm-up (the auto engine's)\n{auto.engine.costs.format()}")
         for temperature in temperatures:
             greedy = temperature == 0
+            # Sampled requests name no seed: a named one pins its steps at the configured
+            # length (its text must repeat; `Engine._length_decides_output`).
             params = SamplingParams(max_tokens=args.max_tokens, temperature=temperature,
-                                    ignore_eos=True, seed=None if greedy else 7)
+                                    ignore_eos=True)
             print(f"\n{name}, {'greedy' if greedy else f'temperature {temperature:g}'}: tok/s")
             print(f"{'batch':>5} {'plain':>8} " + " ".join(f"{'D=' + str(d):>8}"
                                                            for d in [0, *fixed])

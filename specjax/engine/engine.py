@@ -146,6 +146,16 @@ class Engine:
             return 0
         return self.speculation.draft_len_for(batch_size)
 
+    def _length_decides_output(self, request: Request) -> bool:
+        """Whether this request's tokens depend on the draft lengths its steps verify: a
+        sampled request that names its seed (its text must repeat), accepted by rejection
+        sampling along a chain (the draws consumed depend on where chains start). Strict
+        matching and trees emit the target's own (seed, position) draws at any length."""
+        spec = self.speculation
+        return (request.params.seed is not None and request.params.temperature > 0
+                and bool(spec.config.use_rejection_sampling) and spec.tree is None
+                and spec.worker is not None)
+
     def step_costs(self, batch_size: int) -> dict[int, float]:
         """draft length -> measured seconds of its step, for the bucket of this batch size
         ({} where that bucket is not measured)."""
@@ -159,9 +169,11 @@ class Engine:
         measured lengths (up to `longest`; `caps` `[rows]`: drafts each row can verify), or
         `draft_len_for` where there is no choice to make."""
         fixed = self.draft_len_for(len(requests))
+        if longest is not None:
+            fixed = min(fixed, longest)
         if self.pinned_draft_len is not None and fixed:
             return min(self.pinned_draft_len, self.speculation.max_draft_len)
-        if not (self.adaptive and fixed):
+        if not (self.adaptive and fixed) or any(map(self._length_decides_output, requests)):
             return fixed
         costs = self.step_costs(len(requests))
         if longest is not None:
@@ -361,7 +373,7 @@ class Engine:
                     continue
             room = request.max_len - request.num_tokens - 1
             reserved.append((request, max(0, min(len(request.draft_tokens), draft_len, room))))
-        if draft_len and drafter is not None and reserved:
+        if draft_len and drafter is not None and reserved and self.adaptive:
             # A host drafter's proposals are known now: choose again, counting only the
             # drafts each row has (a row without a match gains nothing from a longer step).
             caps = np.asarray([n for _, n in reserved])

@@ -35,9 +35,11 @@ REQUEST_DECAY = 0.9
 ENGINE_DECAY = 0.99
 # A new draft length must promise this much more than the current one (`choose_draft_len`).
 HYSTERESIS = 0.05
-# Before anything is observed: a draft is as likely accepted as not (so speculation is tried
-# where it could pay, and measured).
-INITIAL_RATE = 0.5
+# Before anything is observed, drafts are assumed mostly accepted: an engine starts by
+# speculating wherever that could pay, and every such step teaches it the real rates (one
+# observation outweighs this prior); a pessimistic start would decode plainly and learn only
+# from exploration.
+INITIAL_RATE = 0.9
 
 
 class AcceptanceTracker:

@@ -5,6 +5,7 @@ The target is a tiny 8-layer Llama whose greedy next token is mostly a fixed per
 the current one (its layers perturb that, depending on context), so heads built by hand to
 know the permutation get drafts both accepted and rejected (`perm_models`).
 """
+import dataclasses
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -42,8 +43,10 @@ def _full_pool(llm):
 @pytest.mark.parametrize("max_batch_size", [1, 4])
 def test_greedy_output_equals_plain_decoding(perm_target, refs, mode, max_batch_size):
     target, perm = perm_target
-    llm = spec_llm(target, MODES[mode](target, perm, 3), max_batch_size=max_batch_size,
-                   warmup=True)
+    # Every step at full depth, so every path of the worker runs (warm-up turns the cost
+    # model on, which picks its own lengths: tests/speculative/test_verify_lengths.py).
+    config = dataclasses.replace(MODES[mode](target, perm, 3), draft_len_schedule={1: 3})
+    llm = spec_llm(target, config, max_batch_size=max_batch_size, warmup=True)
     with count_compilations() as compiled:
         outs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS))
         assert compiled() == 0  # warm-up compiled every shape serving uses

@@ -57,8 +57,13 @@ class Silent(Drafter):
         return []
 
 
-@pytest.mark.parametrize("spec", [EAGLE3, NGramConfig(max_draft_len=4)],
-                         ids=["eagle3", "ngram"])
+TREE = None if EAGLE3 is None else dataclasses.replace(
+    EAGLE3, use_rejection_sampling=None, use_dynamic_tree=True, dynamic_tree_max_topK=2,
+    max_total_draft_tokens=8)
+
+
+@pytest.mark.parametrize("spec", [EAGLE3, TREE, NGramConfig(max_draft_len=4)],
+                         ids=["eagle3", "eagle3-tree", "ngram"])
 def test_switching_lengths_every_step_keeps_greedy_output_exact(frozen, plain_outputs, spec):
     llm = _llm(spec)
     set_costs(llm, lambda d: 1.0)      # verifying is free: the choice is the longest ...
@@ -67,7 +72,8 @@ def test_switching_lengths_every_step_keeps_greedy_output_exact(frozen, plain_ou
     outs = llm.generate(PROMPTS, GREEDY)
     assert [o.token_ids for o in outs] == plain_outputs
     used = [d for d, n in enumerate(llm.stats.draft_len_histogram) if n]
-    assert len(used) >= 4, llm.stats.draft_len_histogram
+    # Chains choose among 0..4; a tree between plain steps and its full depth.
+    assert used == ([0, 4] if spec is TREE else [0, 1, 2, 3, 4]), llm.stats.draft_len_histogram
     stats = llm.stats
     assert stats.accepted_draft_tokens <= stats.drafted_tokens <= stats.proposed_tokens
     assert llm.engine.allocator.num_free_blocks == llm.engine.allocator.total_blocks
@@ -94,6 +100,25 @@ def test_rows_without_proposals_run_plain_steps(frozen):
     frozen.setattr(engine_module, "EXPLORE_EVERY", 10**9)
     llm.generate(PROMPTS[:2], GREEDY)
     assert sum(llm.stats.draft_len_histogram[1:]) == 0, llm.stats.draft_len_histogram
+
+
+def test_a_named_seed_keeps_its_text_so_its_steps_verify_the_configured_length(frozen):
+    """Under rejection sampling a chain's draws depend on where chains start: a sampled
+    request that names its seed must give the same text every time, so steps holding one run
+    the configured length; a request without a seed lets the cost model choose."""
+    llm = _llm(EAGLE3)
+    set_costs(llm, lambda d: 1.0)
+    frozen.setattr(engine_module, "EXPLORE_EVERY", 2)
+    frozen.setattr(engine_module, "EXPLORE_STEPS", 1)
+    seeded = SamplingParams(max_tokens=32, temperature=1.0, seed=5, ignore_eos=True)
+    first = llm.generate(PROMPTS[:2], seeded)
+    histogram = llm.stats.draft_len_histogram
+    assert histogram == [0, 0, 0, 0, sum(histogram)], histogram
+    llm.reset_stats()
+    llm.generate(PROMPTS[:2], dataclasses.replace(seeded, seed=None))
+    assert sum(n > 0 for n in llm.stats.draft_len_histogram) >= 3
+    again = llm.generate(PROMPTS[:2], seeded)
+    assert [o.token_ids for o in again] == [o.token_ids for o in first]
 
 
 def test_without_measured_costs_steps_verify_the_configured_length(plain_outputs):
@@ -125,6 +150,9 @@ N, MAX_TOKENS, TEMPERATURE, D = 128, 32, 0.8, 3
 def switching_run():
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(CostTable, "observe", lambda self, *args: None)
+        # The tagged rows are seeded (a deterministic test), which would pin their steps at
+        # the configured length (test_a_named_seed_keeps_its_text...): let lengths switch.
+        mp.setattr(engine_module.Engine, "_length_decides_output", lambda self, r: False)
         mp.setattr(engine_module, "EXPLORE_EVERY", 2)
         mp.setattr(engine_module, "EXPLORE_STEPS", 1)
         llm = make_llm(dataclasses.replace(EAGLE3, max_draft_len=D))
