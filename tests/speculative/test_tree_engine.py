@@ -7,6 +7,7 @@ Two heads: the hand-built `perm_models.eagle_head` (a real EAGLE-3 head), and ta
 a worker whose node distributions come from a table indexed by the node's token, so every
 top-K list, and with it the tree, is known in advance.
 """
+import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -88,8 +89,12 @@ def tree_llm(perm_target):
     target, perm = perm_target
     with pytest.MonkeyPatch.context() as mp:
         use_table(mp, perm_table(perm))
-        llm = spec_llm(target, tree_config(perm_models.eagle_head(target, perm), K=3, D=4, T=10),
-                       warmup=True)
+        # Every step at full depth (warm-up turns the cost model on, which picks its own:
+        # tests/speculative/test_verify_lengths.py): these tests check what a tree does.
+        config = dataclasses.replace(
+            tree_config(perm_models.eagle_head(target, perm), K=3, D=4, T=10),
+            draft_len_schedule={1: 4})
+        llm = spec_llm(target, config, warmup=True)
     yield llm
     assert _full_pool(llm)
 
