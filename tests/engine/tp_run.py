@@ -7,7 +7,8 @@ compilations after warm-up, whether the pool is full again, and (for the target)
 partition spec with its bytes on one device against its total. Size 1 is always run: it is
 what the others must equal.
 """
-from __future__ import annotations
+from __future__ import dataclasses
+import annotations
 
 import json
 import os
@@ -78,7 +79,11 @@ def placement(llm) -> dict:
 
 def run(mode: str, size: int, target, perm) -> dict:
     bundled = mode in BUNDLED_MODES
-    llm = LLM("bundled" if bundled else target, speculative_config=speculation(mode, target, perm),
+    spec = speculation(mode, target, perm)
+    if spec is not None and spec.max_draft_len:  # one length: these runs compare device
+        # counts, and warm-up would otherwise compile every length the cost model may pick
+        spec = dataclasses.replace(spec, draft_len_schedule={1: spec.max_draft_len})
+    llm = LLM("bundled" if bundled else target, speculative_config=spec,
               max_batch_size=4, batch_sizes=(4,), max_model_len=128 if bundled else 64,
               tokens_per_block=4, prefill_chunk=8 if not bundled else 32,
               tensor_parallel_size=size, seed=0, progress=False, warmup=True)
