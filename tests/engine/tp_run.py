@@ -7,8 +7,8 @@ compilations after warm-up, whether the pool is full again, and (for the target)
 partition spec with its bytes on one device against its total. Size 1 is always run: it is
 what the others must equal.
 """
-from __future__ import dataclasses
-import annotations
+from __future__ import annotations
+import dataclasses
 
 import json
 import os
