@@ -18,12 +18,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
 
 import jax
 
 from specjax.analysis.timing import cpu_name
-from specjax.bench.spec import CHAT_PROMPTS, PROMPTS
+from specjax.bench.spec import CHAT_PROMPTS, PROMPTS, _run
 from specjax.chat import ChatTemplate
 from specjax.llm import LLM
 from specjax.models.registry import resolve_model_path
@@ -67,13 +66,6 @@ def _prompts(path, n: int) -> list[list[int]]:
     else:
         ids = [tokenizer.encode(p, add_bos=None) for group in PROMPTS.values() for p in group]
     return [ids[i % len(ids)] for i in range(n)]
-
-
-def _timed(llm: LLM, prompts, params: SamplingParams, batch: int):
-    outs, start = [], time.perf_counter()
-    for i in range(0, len(prompts), batch):
-        outs += llm.generate(prompts[i:i + batch], params)
-    return outs, time.perf_counter() - start
 
 
 def run(args: argparse.Namespace) -> None:
@@ -138,7 +130,7 @@ def run(args: argparse.Namespace) -> None:
                     for key, llm, pin in variants:
                         llm.engine.pinned_draft_len = pin
                         llm.reset_stats()
-                        outs, seconds = _timed(llm, work, params, B)
+                        outs, seconds = _run(llm, work, params, B)
                         tps = sum(len(o.token_ids) for o in outs) / seconds
                         best[key] = max(best.get(key, 0.0), tps)
                         if key == "plain":

@@ -226,7 +226,7 @@ class EngineSnapshot:
     step_costs: tuple[tuple[tuple[int, int], float], ...] = ()   # ((bucket, width), seconds)
 
     @classmethod
-    def of(cls, stats, scheduler, allocator, num_steps: int, costs=None) -> EngineSnapshot:
+    def of(cls, stats, scheduler, allocator, num_steps: int) -> EngineSnapshot:
         running = scheduler.running
         return cls(
             running=len(running), waiting=len(scheduler.waiting),
@@ -241,4 +241,5 @@ class EngineSnapshot:
             draft_overhead=stats.draft_overhead, proposed_tokens=stats.proposed_tokens,
             verified_tokens=stats.drafted_tokens, accepted_tokens=stats.accepted_draft_tokens,
             draft_len_histogram=tuple(stats.draft_len_histogram),
-            step_costs=() if costs is None else tuple(sorted(costs.seconds.items())))
+            step_costs=() if stats.step_costs is None
+            else tuple(sorted(stats.step_costs.seconds.items())))

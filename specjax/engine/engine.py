@@ -136,8 +136,7 @@ class Engine:
         return self.executor.state
 
     def snapshot(self) -> EngineSnapshot:
-        return EngineSnapshot.of(self.stats, self.scheduler, self.allocator, self.num_steps,
-                                 self.costs)
+        return EngineSnapshot.of(self.stats, self.scheduler, self.allocator, self.num_steps)
 
     def draft_len_for(self, batch_size: int) -> int:
         """The draft length of a generation batch of this size before the cost model's choice
