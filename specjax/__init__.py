@@ -12,13 +12,14 @@ xla_flags.apply()  # before anything starts JAX's backend
 from specjax.engine.engine import Engine, EngineConfig
 from specjax.engine.request import RequestOutput, RequestStats
 from specjax.llm import LLM
-from specjax.models import (DFlashHead, Eagle3Head, Eagle3HeadConfig, MTPHeads,
+from specjax.models import (DFlashHead, DSparkHead, Eagle3Head, Eagle3HeadConfig, MTPHeads,
                             load_dflash_head, load_eagle3_head, save_dflash_head,
                             save_eagle3_head, save_pard_model)
 from specjax.sampling_params import SamplingParams
 from specjax.speculative.build import (Speculation, build_speculation, get_spec_drafter,
                                        get_spec_worker, load_draft_model)
-from specjax.speculative.config import (AutoConfig, DFlashConfig, DraftTargetConfig, EagleConfig,
+from specjax.speculative.config import (AutoConfig, DFlashConfig, DraftTargetConfig, DSparkConfig,
+                                        EagleConfig,
                                         MTPConfig, NGramConfig, PARDConfig, SAConfig,
                                         SAEnhancerConfig, SaveHiddenStatesConfig,
                                         SpeculativeConfig, UserProvidedConfig)
@@ -26,7 +27,8 @@ from specjax.speculative.drafters import Drafter, NGramDrafter, SuffixAutomaton
 from specjax.speculative.modes import SpeculativeDecodingMode
 from specjax.speculative.schedule import SpeculationGate, get_draft_len_for_batch_size
 
-__all__ = ["AutoConfig", "DFlashConfig", "DFlashHead", "DraftTargetConfig", "Drafter", "Eagle3Head",
+__all__ = ["AutoConfig", "DFlashConfig", "DFlashHead", "DSparkConfig", "DSparkHead",
+           "DraftTargetConfig", "Drafter", "Eagle3Head",
            "Eagle3HeadConfig", "EagleConfig", "Engine", "EngineConfig", "LLM", "MTPConfig",
            "MTPHeads", "NGramConfig", "NGramDrafter", "PARDConfig", "RequestOutput",
            "RequestStats", "SAConfig", "SAEnhancerConfig", "SamplingParams",

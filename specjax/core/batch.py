@@ -121,6 +121,8 @@ class GenerationOutput:
     # [C, B, D+1, H]: residual streams after the saved layers (SAVE_HIDDEN_STATES only)
     hidden_states: jax.Array | None = None
     logprobs: Logprobs | None = None         # [B, D+1]: of new_tokens
+    # [B, K] float32: the drafter's confidence in each of next_draft_tokens (DSpark), or None
+    draft_confidence: jax.Array | None = None
 
     def check(self, B: int, D: int) -> "GenerationOutput":
         """Assert the shapes above for B rows verified to depth D (a tree's depth: its
@@ -133,6 +135,8 @@ class GenerationOutput:
         if self.hidden_states is not None:
             chex.assert_shape(self.hidden_states, (None, B, D + 1, None))
         _check_logprobs(self.logprobs, (B, D + 1))
+        if self.draft_confidence is not None:
+            chex.assert_shape(self.draft_confidence, self.next_draft_tokens.shape)
         return self
 
 

@@ -308,6 +308,7 @@ def make_generation_step(graphdef: nnx.GraphDef, worker: DraftWorker | None = No
         return (EngineState(target=kv_target, slots=slots, draft=kv_draft, suffix=history,
                             penalties=penalties, aux=aux),
                 GenerationOutput(new_tokens, lens, drafts, verified,
-                                 captured if save_layers else None, logprobs).check(B, D))
+                                 captured if save_layers else None, logprobs,
+                                 proposed.confidence).check(B, D))
 
     return _jit(generation, tp)

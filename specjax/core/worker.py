@@ -31,13 +31,19 @@ class Drafts:
                                       # drawn from (rejection sampling), or None
     parents: jax.Array | None = None  # [B, T] int32: a tree's node parents (0 = the newest
                                       # token, `specjax.core.tree`), None for chains
+    # [B, D] float32: the drafter's predicted probability that draft k is accepted given
+    # that drafts 1..k-1 were (DSpark's confidence head), or None; read by the host's cost
+    # model (`GenerationOutput.draft_confidence`).
+    confidence: jax.Array | None = None
 
     @classmethod
     def every(cls, tokens: jax.Array, probs: jax.Array | None = None,
-              parents: jax.Array | None = None) -> "Drafts":
+              parents: jax.Array | None = None, confidence: jax.Array | None = None
+              ) -> "Drafts":
         """Every row verifies all of `tokens` `[B, D]`."""
         num = jnp.full((tokens.shape[0],), tokens.shape[1], jnp.int32)
-        return cls(tokens=tokens.astype(jnp.int32), num=num, probs=probs, parents=parents)
+        return cls(tokens=tokens.astype(jnp.int32), num=num, probs=probs, parents=parents,
+                   confidence=confidence)
 
 
 def tree_of(worker: "DraftWorker | None") -> TreeShape | None:

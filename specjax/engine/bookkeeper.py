@@ -116,6 +116,8 @@ class Bookkeeper:
         lens = np.asarray(out.new_tokens_lens)
         draft_lens = np.asarray(out.draft_lens)
         next_drafts = np.asarray(out.next_draft_tokens)
+        confidence = (None if out.draft_confidence is None or self.acceptance is None
+                      else np.asarray(out.draft_confidence))
         hidden = np.asarray(out.hidden_states) if self.recorder is not None else None
         advanced, failed = [], []
         settled = [] if self.stats.trace is not None else None  # rows for the trace
@@ -149,6 +151,8 @@ class Bookkeeper:
                 with_drafts += 1
                 accepted_sum += num_accepted
                 drafted_sum += num_drafts_verified
+            if confidence is not None:
+                self.acceptance.confide(request.request_id, confidence[i])
             tokens = [int(t) for t in new_tokens[i, :num_accepted + 1]]
             try:
                 logprobs = (None if request.logprobs is None else

@@ -98,7 +98,8 @@ class Engine:
         # `measure_costs`), and verifies the configured length where none are.
         self.costs = CostTable()
         self.adaptive = spec.drafting and spec.config.schedule is None
-        self.acceptance = AcceptanceModel(spec.max_draft_len) if spec.drafting else None
+        self.acceptance = (AcceptanceModel(spec.max_draft_len, getattr(
+            spec.config, "confidence_scheduling", False)) if spec.drafting else None)
         self.candidates = candidate_lengths(spec.max_draft_len, spec.tree is not None)
         self.pinned_draft_len: int | None = None  # an experiment's fixed length (benches)
         self._since_explore, self._exploring = 0, None
@@ -200,7 +201,10 @@ class Engine:
             return choice
         self._explored = False
         survival = self.acceptance.survival([r.request_id for r in requests])
-        self._current = choose_draft_len(survival, costs, caps, self._current)
+        # A drafter's own per-step confidences move with its drafts, and a block drafted at
+        # full width pays nothing for switching: no hysteresis for them.
+        current = None if self.acceptance.drafter_confidence else self._current
+        self._current = choose_draft_len(survival, costs, caps, current)
         return self._current
 
     def _overlaps(self, draft_len: int, rows: list[GenerationRow]) -> bool:

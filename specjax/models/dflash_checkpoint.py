@@ -16,6 +16,9 @@ config.json: {"architectures": ["SpecjaxDFlashDrafter"], "hidden_size", "interme
 fc), "mask_token_id", "block_size" (the K it was trained for), "torch_dtype"}. The token
 embedding and the LM head are the target's (not stored); loading checks the shapes against the
 target.
+
+A DSpark drafter (`specjax.models.dspark_head`) is this folder with architecture
+"SpecjaxDSparkDrafter", "markov_rank" in config.json and the tensors that module lists.
 """
 from __future__ import annotations
 
@@ -32,9 +35,11 @@ from specjax.models.checkpoint_io import (CheckpointError, checkpoint_folder, mo
                                           save_safetensors, tensor_taker)
 from specjax.models.config import DTYPES, ModelConfig
 from specjax.models.dflash_head import DFlashHead, DFlashHeadConfig
+from specjax.models.dspark_head import DSparkHead, DSparkHeadConfig
 from specjax.models.hf_checkpoint import layer_tensors, take_layers
 
 ARCHITECTURE = "SpecjaxDFlashDrafter"
+DSPARK_ARCHITECTURE = "SpecjaxDSparkDrafter"
 WEIGHTS_NAME = "model.safetensors"
 _BODY_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                 "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta")
@@ -58,25 +63,38 @@ def save_dflash_head(head: DFlashHead, folder: str | os.PathLike, dtype: str | N
                "norm.weight": arr(head.body.final_norm)}
     tensors.update(layer_tensors(head.body.unstacked() if not head.body.stacked else head.body,
                                  np_dtype, "layers."))
-    save_safetensors(tensors, folder / WEIGHTS_NAME, metadata={"format": "specjax-dflash"})
+    dspark = isinstance(head, DSparkHead)
+    if dspark:
+        f32 = lambda x: np.ascontiguousarray(np.asarray(x[...], np.float32))
+        tensors.update({"markov.embedding.weight": arr(head.markov_in),
+                        "markov.proj.weight": np.ascontiguousarray(arr(head.markov_out).T),
+                        "confidence.weight": f32(head.confidence)[None],
+                        "confidence.calibration": f32(head.calibration)})
+    save_safetensors(tensors, folder / WEIGHTS_NAME,
+                     metadata={"format": "specjax-dspark" if dspark else "specjax-dflash"})
     body = cfg.body.to_hf_dict()
-    hf = {"architectures": [ARCHITECTURE], **{k: body[k] for k in _BODY_FIELDS if k in body},
+    hf = {"architectures": [DSPARK_ARCHITECTURE if dspark else ARCHITECTURE],
+          **{k: body[k] for k in _BODY_FIELDS if k in body},
           "vocab_size": cfg.vocab_size, "target_layer_ids": list(cfg.target_layer_ids),
           "mask_token_id": cfg.mask_token_id, "block_size": cfg.block_size, "torch_dtype": dtype}
+    if dspark:
+        hf["markov_rank"] = cfg.markov_rank
     (folder / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
 
 
 def load_dflash_head(folder: str | os.PathLike, target: ModelConfig, dtype: str | None = None
                      ) -> DFlashHead:
     """Load a drafter saved by `save_dflash_head` for a target with config `target`; weights
-    cast to `dtype` (default: the target's). A field or tensor that does not fit the target
-    raises a `CheckpointError` (a ValueError) naming it."""
+    cast to `dtype` (default: the target's). A DSpark folder gives a `DSparkHead`. A field or
+    tensor that does not fit the target raises a `CheckpointError` (a ValueError) naming it."""
     folder = checkpoint_folder(folder, "DFlash drafter")
     hf = read_config(folder)
     where = folder / "config.json"
-    if ARCHITECTURE not in hf.get("architectures", []):
-        raise CheckpointError(f"{where}: architectures {hf.get('architectures')} does not name "
-                              f"{ARCHITECTURE}")
+    names = hf.get("architectures", [])
+    if ARCHITECTURE not in names and DSPARK_ARCHITECTURE not in names:
+        raise CheckpointError(f"{where}: architectures {hf.get('architectures')} names neither "
+                              f"{ARCHITECTURE} nor {DSPARK_ARCHITECTURE}")
+    dspark = DSPARK_ARCHITECTURE in names
     missing = [k for k in (*_BODY_FIELDS[:6], "vocab_size", "target_layer_ids") if k not in hf]
     if missing:
         raise CheckpointError(f"{where}: missing {', '.join(missing)}")
@@ -101,6 +119,10 @@ def load_dflash_head(folder: str | os.PathLike, target: ModelConfig, dtype: str 
         config = DFlashHeadConfig(body, target.vocab_size, tuple(layers),
                                   hf.get("mask_token_id", target.vocab_size),
                                   hf.get("block_size", 4))
+        if dspark:
+            if not isinstance(hf.get("markov_rank"), int):
+                raise ValueError(f"markov_rank {hf.get('markov_rank')!r} must be an int")
+            config = DSparkHeadConfig.of(config, hf["markov_rank"])
     except ValueError as e:
         raise CheckpointError(f"{where}: {e}") from None
     tensors = read_safetensors(folder)
@@ -111,6 +133,14 @@ def load_dflash_head(folder: str | os.PathLike, target: ModelConfig, dtype: str 
               "body": {"embed": take("mask_embedding", (H,))[None],
                        "final_norm": take("norm.weight", (H,)),
                        "layers": take_layers(body, take, "layers.")}}
+    if dspark:
+        V, r, K = target.vocab_size, config.markov_rank, config.block_size
+        f32 = tensor_taker(tensors, jnp.dtype(jnp.float32), f"the DSpark drafter in {folder}")
+        params.update(markov_in=take("markov.embedding.weight", (V, r)),
+                      markov_out=take("markov.proj.weight", (r, V), transpose=True),
+                      confidence=f32("confidence.weight", (1, H + r))[0],
+                      calibration=f32("confidence.calibration", (2, K, 2)))
     refuse_leftovers(tensors, f"the DFlash drafter in {folder} has tensors its config does "
                               "not name")
-    return module_from_params(lambda: DFlashHead(config, rngs=nnx.Rngs(0)), params)
+    build = DSparkHead if dspark else DFlashHead
+    return module_from_params(lambda: build(config, rngs=nnx.Rngs(0)), params)

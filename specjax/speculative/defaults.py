@@ -20,10 +20,12 @@ BUNDLED_EAGLE3 = "bundled-eagle3"
 BUNDLED_MTP = "bundled-mtp"
 BUNDLED_PARD = "bundled-pard"
 BUNDLED_DFLASH = "bundled-dflash"
+BUNDLED_DSPARK = "bundled-dspark"
 # Per target name: the drafter each mode reads when none is named.
 SHIPPED_FOR_MODEL = {
     "bundled": {M.DRAFT_TARGET_ONE_MODEL: BUNDLED_DRAFT, M.EAGLE3_ONE_MODEL: BUNDLED_EAGLE3,
-                M.MTP: BUNDLED_MTP, M.PARD: BUNDLED_PARD, M.DFLASH: BUNDLED_DFLASH},
+                M.MTP: BUNDLED_MTP, M.PARD: BUNDLED_PARD, M.DFLASH: BUNDLED_DFLASH,
+                M.DSPARK: BUNDLED_DSPARK},
     "smollm2": {M.EAGLE3_ONE_MODEL: "smollm2-eagle3", M.DFLASH: "smollm2-dflash"},
 }
 # Per target name, the modes its default (and AUTO) tries in order, the first whose drafter
@@ -47,6 +49,7 @@ EXAMPLES = {
            '"speculative_model": "bundled-mtp"}',
     "pard": '{"mode": "pard", "max_draft_len": 4, "speculative_model": "bundled-pard"}',
     "dflash": '{"mode": "dflash", "max_draft_len": 4, "speculative_model": "bundled-dflash"}',
+    "dspark": '{"mode": "dspark", "max_draft_len": 4, "speculative_model": "bundled-dspark"}',
     "save_hidden_states": '{"mode": "save_hidden_states", "output_directory": "hs"}',
     "auto": '{"mode": "auto"}',
 }
@@ -112,11 +115,11 @@ def resolve_auto(config: SpeculativeConfig | None, model: str | os.PathLike | No
 def shipped_configs(max_draft_len: int, model: str | os.PathLike = "bundled"
                     ) -> list[SpeculativeConfig]:
     """NGram, then each drafter shipped for `model` (the bundled target: draft model, EAGLE-3
-    head, MTP modules (MTP drafts at most one token per module), PARD and DFlash; SmolLM2:
+    head, MTP modules (MTP drafts at most one token per module), PARD, DFlash and DSpark; SmolLM2:
     EAGLE-3 and DFlash)."""
     D = max_draft_len
     configs: list[SpeculativeConfig] = [NGramConfig(max_draft_len=D, max_matching_ngram_size=3)]
-    order = (M.DRAFT_TARGET_ONE_MODEL, M.EAGLE3_ONE_MODEL, M.MTP, M.PARD, M.DFLASH)
+    order = (M.DRAFT_TARGET_ONE_MODEL, M.EAGLE3_ONE_MODEL, M.MTP, M.PARD, M.DFLASH, M.DSPARK)
     drafters = shipped_for(model)
     for mode in (m for m in order if m in drafters):
         data = _fill_shipped({"mode": mode.name.lower(), "max_draft_len": D}, model)

@@ -7,8 +7,8 @@ from specjax.speculative.config.token_drafters import (DraftTargetConfig, NGramC
                                                        UserProvidedConfig)
 from specjax.speculative.config.heads import (EagleConfig, MTPConfig, SaveHiddenStatesConfig,
                                               default_eagle3_layers)
-from specjax.speculative.config.parallel import DFlashConfig, PARDConfig
+from specjax.speculative.config.parallel import DFlashConfig, DSparkConfig, PARDConfig
 
-__all__ = ["AutoConfig", "DFlashConfig", "DraftTargetConfig", "EagleConfig", "MTPConfig",
+__all__ = ["AutoConfig", "DFlashConfig", "DSparkConfig", "DraftTargetConfig", "EagleConfig", "MTPConfig",
            "NGramConfig", "PARDConfig", "SAConfig", "SAEnhancerConfig", "SaveHiddenStatesConfig",
            "SpeculativeConfig", "UserProvidedConfig", "default_eagle3_layers"]

@@ -1,11 +1,12 @@
-"""Configs of the parallel drafters (the reference's `is_parallel_draft()`): PARD and DFlash
-propose all D draft tokens in one forward pass of their drafter."""
+"""Configs of the parallel drafters (the reference's `is_parallel_draft()`): PARD, DFlash and
+DSpark propose all D draft tokens from one forward pass of their drafter."""
 from __future__ import annotations
 
 import dataclasses
 from typing import Any, ClassVar
 
 from specjax.models.dflash_head import DFlashHead
+from specjax.models.dspark_head import DSparkHead
 from specjax.models.llama import Llama
 from specjax.speculative.config.base import (SpeculativeConfig, layer_tuple, model_field,
                                              model_field_to_dict)
@@ -85,4 +86,35 @@ class DFlashConfig(SpeculativeConfig, SAEnhanced):
 
     def to_dict(self) -> dict[str, Any]:
         model_field_to_dict(self, "a DFlashHead", "specjax.models.save_dflash_head(head, folder)")
+        return super().to_dict()
+
+
+@dataclasses.dataclass(frozen=True)
+class DSparkConfig(DFlashConfig):
+    """DSpark: a DFlash drafter plus a Markov head (each draft conditioned on the one before
+    it) and a confidence head. The block is drafted at full width (`max_draft_len`) at every
+    step.
+
+    `confidence_scheduling` (default on): how many drafts a step verifies is chosen from the
+    drafter's own confidences (survival c_1 ... c_j) weighed against the measured step costs;
+    off, from the engine's online acceptance estimates, as for every other drafter. Either
+    way the output is exact. `speculative_model`: a DSpark folder or a `DSparkHead`. The SA
+    enhancer is not offered (its drafts would replace a block drafted at full width)."""
+
+    confidence_scheduling: bool = True
+
+    mode: ClassVar[SpeculativeDecodingMode] = SpeculativeDecodingMode.DSPARK
+
+    def __post_init__(self):
+        super().__post_init__()
+        model_field(self, (DSparkHead,), "a DSparkHead")
+        if not isinstance(self.confidence_scheduling, bool):
+            raise ValueError(f"confidence_scheduling must be true or false, got "
+                             f"{self.confidence_scheduling!r}")
+        if self.sa_config is not None:
+            raise ValueError("DSpark takes no sa_config: it drafts its block at full width and "
+                             "schedules verification by its own confidences")
+
+    def to_dict(self) -> dict[str, Any]:
+        model_field_to_dict(self, "a DSparkHead", "specjax.models.save_dflash_head(head, folder)")
         return super().to_dict()

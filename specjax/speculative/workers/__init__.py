@@ -3,9 +3,10 @@ and runs inside the jitted steps; each module registers its factory (`registry.W
 from specjax.core.worker import DraftWorker
 from specjax.speculative.workers.chain import ChainWorker, Eagle3Worker, MTPEagleWorker
 from specjax.speculative.workers.draft_target import DraftTargetWorker
+from specjax.speculative.workers.dspark import DSparkWorker
 from specjax.speculative.workers.mtp import MTPWorker
 from specjax.speculative.workers.parallel import DFlashWorker, PARDWorker
 from specjax.speculative.workers.registry import WORKERS, register
 
-__all__ = ["ChainWorker", "DFlashWorker", "DraftTargetWorker", "DraftWorker", "Eagle3Worker",
+__all__ = ["ChainWorker", "DFlashWorker", "DraftTargetWorker", "DraftWorker", "DSparkWorker", "Eagle3Worker",
            "MTPEagleWorker", "MTPWorker", "PARDWorker", "WORKERS", "register"]

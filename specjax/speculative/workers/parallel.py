@@ -160,9 +160,14 @@ class DFlashWorker(WorkerDefaults):
             kv = paged.write(k, v, layer, kv)
         return kv
 
-    def _block(self, head, kv: KVPool, batch: StepBatch, target, newest: jax.Array,
-               p: jax.Array, live: jax.Array, K: int, penalties):
-        """Drafts for positions p+1 .. p+K from the block [newest, mask x K] at p .. p+K."""
+    def block_width(self, num_drafts: int) -> int:
+        """Drafts proposed when a step verifies up to `num_drafts`."""
+        return num_drafts
+
+    def _block_rows(self, head, kv: KVPool, batch: StepBatch, target, newest: jax.Array,
+                    p: jax.Array, live: jax.Array, K: int) -> jax.Array:
+        """The block [newest, mask x K] at p .. p+K through the drafter -> rows 1..K'
+        hidden states `[B, K, H]` (before the final norm)."""
         B = newest.shape[0]
         tokens = jnp.concatenate([newest[:, None],
                                   jnp.full((B, K), self.mask_token_id, jnp.int32)], axis=1)
@@ -170,19 +175,26 @@ class DFlashWorker(WorkerDefaults):
         rows_live = jnp.broadcast_to(live[:, None], (B, K + 1))
         hidden = _local_pass(batch, kv, p, positions, rows_live, lambda attend: head.run(
             target, tokens, positions, attend)[0], bidirectional=True)
-        return propose_block(head.logits(target, hidden[:, 1:]), batch, p + 1,
-                             self.rejection_sampling, penalties)
+        return hidden[:, 1:]
+
+    def _block(self, head, kv: KVPool, batch: StepBatch, target, newest: jax.Array,
+               p: jax.Array, live: jax.Array, K: int, penalties) -> Drafts:
+        """Drafts for positions p+1 .. p+K from the block [newest, mask x K] at p .. p+K."""
+        rows = self._block_rows(head, kv, batch, target, newest, p, live, K)
+        drafts, probs = propose_block(head.logits(target, rows), batch, p + 1,
+                                      self.rejection_sampling, penalties)
+        return Drafts.every(drafts, probs=probs)
 
     def catch_up(self, params, kv: KVPool, batch: StepBatch, target, captured, following,
                  num_drafts: int = 0, penalties=None):
         head = nnx.merge(self.graphdef, params)
         kv = self._write_context(head, kv, batch, captured)
-        if not num_drafts:
+        K = self.block_width(num_drafts)
+        if not K:
             return kv, None
-        drafts, probs = self._block(head, kv, batch, target, following,
-                                    batch.start_pos + batch.query_lens, batch.query_lens > 0,
-                                    num_drafts, penalties)
-        return kv, Drafts.every(drafts, probs=probs)
+        return kv, self._block(head, kv, batch, target, following,
+                               batch.start_pos + batch.query_lens, batch.query_lens > 0, K,
+                               penalties)
 
     def draft(self, params, kv: KVPool, batch: StepBatch, target, captured,
               new_tokens: jax.Array, new_lens: jax.Array, num_drafts: int, penalties=None):
@@ -192,13 +204,12 @@ class DFlashWorker(WorkerDefaults):
         live = batch.query_lens > 0
         lens = jnp.where(live, new_lens, 0)
         kv = self._write_context(head, kv, batch.replace(query_lens=lens), captured)
-        B = new_tokens.shape[0]
-        if num_drafts == 0:
+        B, K = new_tokens.shape[0], self.block_width(num_drafts)
+        if K == 0:
             return kv, Drafts.every(jnp.zeros((B, 0), jnp.int32))
         newest = jnp.take_along_axis(new_tokens, jnp.maximum(lens - 1, 0)[:, None], axis=1)[:, 0]
-        drafts, probs = self._block(head, kv, batch, target, newest, batch.start_pos + lens,
-                                    live, num_drafts, penalties)
-        return kv, Drafts.every(drafts, probs=probs)
+        return kv, self._block(head, kv, batch, target, newest, batch.start_pos + lens, live, K,
+                               penalties)
 
 
 @register(SpeculativeDecodingMode.PARD)

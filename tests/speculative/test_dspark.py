@@ -1,0 +1,169 @@
+"""DSpark (mode 14) in the engine: the Markov head conditions each draft on the one drafted
+before it (and hands rejection sampling that conditional distribution), greedy output equals
+plain decoding with and without confidence scheduling, and confidence scheduling verifies what
+the drafter's confidences and the step costs say. The statistical tests of sampled output are
+`test_rejection_sampling_e2e.py`'s (every shipped in-step drafter, the bundled DSpark among
+them) and `test_verify_lengths.py`'s."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from specjax import DSparkConfig, LLM, SamplingParams
+from specjax.core.batch import empty_batch
+from specjax.core.sampling import filter_logits
+from specjax.engine.costs import CostTable
+from specjax.models.dflash_checkpoint import load_dflash_head
+from specjax.models.dflash_head import DFlashHeadConfig
+from specjax.models.dspark_head import DSparkHead, DSparkHeadConfig
+from specjax.models.registry import BUNDLED_TARGET, CHECKPOINTS_DIR, load_model
+from specjax.speculative.config import SAEnhancerConfig
+from specjax.speculative.workers.dspark import markov_drafts
+from tests.conftest import TINY
+
+DFLASH = CHECKPOINTS_DIR / "stdlib-dflash"
+pytestmark = pytest.mark.skipif(not (DFLASH / "config.json").exists(),
+                                reason="no bundled DFlash drafter")
+PROMPTS = ["def fibonacci(n):\n    ", "import os\nimport sys\n\ndef main():",
+           "class Stack:\n    def __init__(self):\n        self.items = []\n    def push(self",
+           "The history of the Roman Empire"]
+GREEDY = SamplingParams(max_tokens=40, ignore_eos=True)
+
+
+def tiny_head(markov_scale: float = 3.0, seed: int = 0) -> DSparkHead:
+    config = DSparkHeadConfig.of(DFlashHeadConfig.for_target(TINY, 1, (0,), 4), 8)
+    head = DSparkHead(config, rngs=nnx.Rngs(seed))
+    key = jax.random.key(seed + 1)
+    head.markov_in[...] = jax.random.normal(key, head.markov_in.shape)
+    head.markov_out[...] = markov_scale * jax.random.normal(jax.random.fold_in(key, 1),
+                                                            head.markov_out.shape)
+    head.confidence[...] = jax.random.normal(jax.random.fold_in(key, 2), head.confidence.shape)
+    return head
+
+
+def test_each_draft_is_drawn_from_its_distribution_given_the_drafted_prefix():
+    """Row 0 greedy, rows 1-2 sampled (top-k on row 2): draft k is the argmax of / drawn from
+    base_k + markov(draft k-1), and that filtered distribution is the one handed back."""
+    head = tiny_head()
+    B, K, V = 3, 4, TINY.vocab_size
+    base = 2.0 * jax.random.normal(jax.random.key(7), (B, K, V))
+    normed = jax.random.normal(jax.random.key(8), (B, K, TINY.hidden_size))
+    newest = jnp.array([3, 11, 42], jnp.int32)
+    batch = empty_batch(B, K + 1, 2, 0)
+    batch.temperature[:] = [0.0, 1.0, 0.7]
+    batch.top_k[:] = [0, 0, 5]
+    batch.seeds[:] = [1, 2, 3]
+    head.calibration[...] = head.calibration[...].at[1, :, 1].set(0.5)  # the sampled rule's bias
+    drafts, probs, conf = jax.jit(lambda b: markov_drafts(
+        head, base, normed, newest, b, jnp.array([5, 9, 13]), True))(batch)
+    drafts, probs, conf = map(np.asarray, (drafts, probs, conf))
+    previous = np.asarray(newest)
+    changed = 0
+    for k in range(K):
+        e, markov = head.markov(jnp.asarray(previous))
+        logits = base[:, k] + markov
+        assert drafts[0, k] == int(jnp.argmax(logits[0]))
+        want = jax.nn.softmax(filter_logits(logits, batch.temperature, batch.top_k,
+                                            batch.top_p, batch.min_p), axis=-1)
+        np.testing.assert_allclose(probs[1:, k], np.asarray(want)[1:], atol=1e-6)
+        assert np.all(probs[np.arange(1, B), k, drafts[1:, k]] > 0)
+        unconditioned = jax.nn.softmax(filter_logits(base[:, k], batch.temperature,
+                                                     batch.top_k, batch.top_p, batch.min_p), -1)
+        changed += int(np.abs(np.asarray(unconditioned)[1:] - probs[1:, k]).max() > 0.05)
+        z = np.asarray(head.confidence_logit(normed[:, k], e))
+        bias = np.where(np.asarray(batch.temperature) > 0, 0.5, 0.0)
+        np.testing.assert_allclose(conf[:, k], 1 / (1 + np.exp(-(z + bias))), rtol=1e-5)
+        previous = drafts[:, k]
+    assert changed == K  # the Markov term matters at every depth of this head
+
+
+@pytest.fixture(scope="module")
+def target():
+    return load_model(CHECKPOINTS_DIR / BUNDLED_TARGET, "float32")
+
+
+@pytest.fixture(scope="module")
+def dspark_head(target):
+    """The shipped DFlash drafter's body with a random Markov head strong enough to change
+    its drafts, and confidence = sigmoid(bias_k) (zero weights)."""
+    dflash = load_dflash_head(DFLASH, target.config)
+    head = DSparkHead(DSparkHeadConfig.of(dflash.config, 16), rngs=nnx.Rngs(0))
+    nnx.update(head, nnx.split(dflash)[1])
+    head.markov_out[...] = 0.5 * jax.random.normal(jax.random.key(1), head.markov_out.shape)
+    head.confidence[...] = 0.3 * jax.random.normal(jax.random.key(2), head.confidence.shape)
+    return head
+
+
+def set_costs(llm: LLM, seconds) -> None:
+    """Every bucket's step of draft length d costs seconds(d); real timings never move it."""
+    engine = llm.engine
+    engine.costs = CostTable({(b, d + 1): seconds(d) for b in engine.executor.decode_buckets
+                              for d in engine.candidates})
+
+
+def _llm(spec, **kw):
+    kw = {**dict(max_batch_size=4, batch_sizes=(4,), max_model_len=128, prefill_chunk=16,
+                 progress=False), **kw}
+    return LLM(str(CHECKPOINTS_DIR / BUNDLED_TARGET), speculative_config=spec, **kw)
+
+
+@pytest.fixture(scope="module")
+def plain_outputs():
+    return [o.token_ids for o in _llm(None).generate(PROMPTS, GREEDY)]
+
+
+def with_confidence(head: DSparkHead, confidence) -> DSparkHead:
+    """A copy whose every row's c_k is `confidence[k]` (zero weights, the bias alone)."""
+    copy = nnx.merge(*nnx.split(head))
+    copy.confidence[...] = jnp.zeros_like(copy.confidence[...])
+    c = jnp.asarray(confidence, jnp.float32)
+    copy.calibration[...] = copy.calibration[...].at[:, :, 1].set(jnp.log(c / (1 - c)))
+    return copy
+
+
+@pytest.mark.parametrize("scheduling", [True, False], ids=["confidence", "online"])
+def test_greedy_output_equals_plain_decoding(monkeypatch, plain_outputs, dspark_head,
+                                             scheduling):
+    """With lengths chosen step by step (by the drafter's confidences, or by online
+    estimates) the output is plain decoding's."""
+    monkeypatch.setattr(CostTable, "observe", lambda self, *args: None)
+    spec = DSparkConfig(max_draft_len=4, speculative_model=dspark_head,
+                        confidence_scheduling=scheduling)
+    llm = _llm(spec)
+    set_costs(llm, lambda d: 1.0 + 0.25 * d)
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == plain_outputs
+    assert llm.stats.accepted_draft_tokens > 0
+    assert sum(n > 0 for n in llm.stats.draft_len_histogram) >= 2, \
+        llm.stats.draft_len_histogram
+    assert llm.engine.allocator.num_free_blocks == llm.engine.allocator.total_blocks
+
+
+def test_confidence_scheduling_verifies_what_the_confidences_pay_for(monkeypatch, plain_outputs,
+                                                                     dspark_head):
+    """Survival 0.99, 0.98, ~0, ~0 and a step that costs 1 + 0.3 D: two drafts pay best
+    (2.97 / 1.6 against 1.99 / 1.3 and 2.97 / 1.9), whatever the drafts' real acceptance."""
+    monkeypatch.setattr(CostTable, "observe", lambda self, *args: None)
+    head = with_confidence(dspark_head, [0.99, 0.99, 0.001, 0.001])
+    llm = _llm(DSparkConfig(max_draft_len=4, speculative_model=head))
+    set_costs(llm, lambda d: 1.0 + 0.3 * d)
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == plain_outputs
+    hist = llm.stats.draft_len_histogram
+    # The first steps run on the prior (no confidences read yet); then two drafts a step.
+    assert hist[2] >= 0.8 * sum(hist), hist
+    assert llm.engine.allocator.num_free_blocks == llm.engine.allocator.total_blocks
+
+
+def test_bad_configs_are_refused_before_any_work(target):
+    dflash = load_dflash_head(DFLASH, target.config)
+    with pytest.raises(ValueError, match="DSparkHead"):
+        DSparkConfig(max_draft_len=4, speculative_model=dflash)
+    with pytest.raises(ValueError, match="SpecjaxDSparkDrafter"):
+        _llm(DSparkConfig(max_draft_len=4, speculative_model=str(DFLASH)))
+    with pytest.raises(ValueError, match="sa_config"):
+        DSparkConfig(max_draft_len=4, speculative_model=str(DFLASH),
+                     sa_config=SAEnhancerConfig())
+    with pytest.raises(ValueError, match="confidence_scheduling"):
+        DSparkConfig(max_draft_len=4, speculative_model=str(DFLASH), confidence_scheduling=1)
