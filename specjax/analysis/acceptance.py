@@ -71,7 +71,9 @@ def output_acceptance(outs) -> dict[str, float]:
         leave it out: every later target step counts, with or without drafts (a step without
         drafts gives 1 token). Exact without preemption (a readmitted request's prefill gives
         a token and an iteration again); `preemptions` says how many there were.
-    no_drafts: the share of generation steps that verified no draft."""
+    no_drafts: the share of generation steps that verified no draft.
+    verified_per_step: drafts verified per generation step (rate x verified_per_step =
+        accepted drafts per step)."""
     with_drafts = sum(o.stats.num_steps_with_drafts for o in outs)
     accepted = sum(o.stats.num_accepted_draft_tokens for o in outs)
     steps = sum(o.stats.decoding_iterations - 1 for o in outs)
@@ -80,4 +82,5 @@ def output_acceptance(outs) -> dict[str, float]:
                 per_step=tokens / max(steps, 1),
                 rate=accepted / max(sum(o.stats.num_draft_tokens for o in outs), 1),
                 no_drafts=1 - with_drafts / max(steps, 1),
+                verified_per_step=sum(o.stats.num_draft_tokens for o in outs) / max(steps, 1),
                 preemptions=sum(o.stats.num_preemptions for o in outs))

@@ -4,9 +4,11 @@ The methods: every one shipped for the bundled target -- NGram (prompt lookup), 
 matching over each request's own tokens, inside the step; it drafts 2 x --max-draft-len: its
 drafts cost no drafter pass), draft-target (the bundled draft model), EAGLE-3 (its trained
 head: a chain, the chain with the SA enhancer, and dynamic trees of top-K 2 and 4 with 2D and
-4D nodes), MTP (its trained modules; at most one draft per module), PARD and DFlash (parallel
-drafters: all D drafts from one pass) -- each drafting up to --max-draft-len tokens (a tree:
-that depth); or the --config ones instead.
+4D nodes), MTP (its trained modules; at most one draft per module), PARD, DFlash and DSpark
+(parallel drafters: all D drafts from one pass; DSpark's verify lengths by its confidences, and
+again by online estimates) -- each drafting up to --max-draft-len tokens (a tree: that depth);
+or the --config ones instead. Verify lengths are the cost model's (`specjax.speculative.
+cost_model`) unless a config pins them (`draft_len_schedule`).
 The prompts: for a chat model (a tokenizer with a chat template, e.g. --model smollm2) the
 held-out chat and code requests of `specjax.analysis.heldout`, rendered with its template and
 answered to the end of the turn (or --max-tokens); for any other, the completion prompts
@@ -204,6 +206,8 @@ def default_configs(max_draft_len: int, model: str = "bundled") -> list[Speculat
         configs.append(config)
         if config.mode is SpeculativeDecodingMode.NGRAM:
             configs.append(SAConfig(max_draft_len=2 * max_draft_len))
+        if config.mode is SpeculativeDecodingMode.DSPARK:
+            configs.append(dataclasses.replace(config, confidence_scheduling=False))
         if isinstance(config, EagleConfig):
             D = config.max_draft_len
             configs.append(dataclasses.replace(config, sa_config=SAEnhancerConfig()))
@@ -222,12 +226,16 @@ def label_of(config: SpeculativeConfig) -> str:
         label += f" ({Path(str(config.speculative_model)).name})"
     if getattr(config, "sa_config", None) is not None:
         label += f" + SA (threshold {config.sa_config.threshold})"
+    if getattr(config, "confidence_scheduling", True) is False:
+        label += " online lengths"
+    if config.draft_len_schedule:
+        label += " schedule " + ",".join(f"{b}:{d}" for b, d in config.draft_len_schedule)
     return label
 
 
 def drafter_passes(config: SpeculativeConfig) -> int:
     """Forward passes of the drafter per step at full depth D: none for host drafters and SA,
-    one for parallel drafters (PARD, DFlash), D + 1 for a draft model (the verified window's
+    one for parallel drafters (PARD, DFlash, DSpark), D + 1 for a draft model (the verified window's
     catch-up, then one per draft), D for the heads (catch-up and draft 1 in one pass; a tree:
     one per level; MTP: one per module). The SA enhancer adds none."""
     mode, D = config.mode, config.max_draft_len
@@ -284,11 +292,14 @@ def table(repeats: int, position: int, max_tokens: int) -> Table:
                "prefill, with or without drafts (a step without drafts gives 1 token), summed "
                "over every run", 8),
         Column("nodraft", "the share of those steps that verified no draft", 7, "{:.1%}"),
-        Column("accept", "acceptance rate: accepted / drafted tokens", 7, "{:.1%}"),
+        Column("verif/step", "drafts verified per step after the prefill (what the verify "
+               "length chose; the method drafts up to D)", 10, "{:.2f}"),
+        Column("accept", "acceptance rate of the verified drafts: accepted / verified", 7,
+               "{:.1%}"),
         Column("AR_k", "acceptance per draft position k = 1..D (a tree: per depth): the share "
                "of steps with drafts that accepted at least k", 23, left=True),
         Column("passes", "the drafter's forward passes per step at full depth: 1 for the "
-               "parallel drafters (PARD, DFlash), D or D + 1 for the others, 0 on the host", 6,
+               "parallel drafters (PARD, DFlash, DSpark), D or D + 1 for the others, 0 on the host", 6,
                "{:d}"),
         Column("tok/s", f"tokens/s end to end (prefill included), {best}", 7, "{:.1f}"),
         Column("plain tok/s", "the same for plain decoding: the fastest of the plain runs "
@@ -341,7 +352,7 @@ def _llama_cpp_rows(args, path: Path, plain: LLM, prompts: list[list[int]], refe
                 count = sum(map(len, runs[0][1]))
                 plain_tps = max(sum(len(o.token_ids) for o in outs) / t for outs, t in pairs_plain)
                 same = sum(a == list(o.token_ids) for a, o in zip(runs[0][1], reference))
-                print(tab.row(label, "-", "-", "-", "-", "-", 0, count / seconds, plain_tps,
+                print(tab.row(label, "-", "-", "-", "-", "-", "-", 0, count / seconds, plain_tps,
                               count / seconds / plain_tps, "-", "-", "-", "-", "-",
                               f"{same}/{len(prompts)} prompts", ""), flush=True)
                 found[label] = count / seconds
@@ -430,7 +441,8 @@ def run(args: argparse.Namespace) -> None:
     plain_acc = output_acceptance([o for outs, _ in base_runs for o in outs])
     tab = table(args.repeats, position, args.max_tokens)
     print("\n" + tab.header())
-    print(tab.row("plain decoding", "-", plain_acc["per_step"], "-", "-", "-", "-", base["tps"], "-",
+    print(tab.row("plain decoding", "-", plain_acc["per_step"], "-", "-", "-", "-", "-",
+                  base["tps"], "-",
                   "1.00x", base["decode"], "-", "1.00x", "-", "-", "-", ""), flush=True)
     failures, preempted, figure_rows, method_rows = [], plain_acc["preemptions"], [], []
     modes = (("states", "replay") if args.recurrent_commit == "both"
@@ -471,7 +483,8 @@ def run(args: argparse.Namespace) -> None:
         ar = at_least(merged(histograms), D)
         figure_rows.append(dict(label=label, ar=ar, speedup=speed["speedup"],
                                 decode_speedup=speed["decode_speedup"]))
-        print(tab.row(label, acc["al"], acc["per_step"], acc["no_drafts"], acc["rate"],
+        print(tab.row(label, acc["al"], acc["per_step"], acc["no_drafts"],
+                      acc["verified_per_step"], acc["rate"],
                       " ".join(f"{x:.2f}" for x in ar),
                       drafter_passes(config), speed["tps"], speed["plain_tps"], speed["speedup"],
                       speed["decode"],

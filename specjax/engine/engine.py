@@ -201,9 +201,12 @@ class Engine:
             return choice
         self._explored = False
         survival = self.acceptance.survival([r.request_id for r in requests])
-        # A drafter's own per-step confidences move with its drafts, and a block drafted at
-        # full width pays nothing for switching: no hysteresis for them.
-        current = None if self.acceptance.drafter_confidence else self._current
+        # A drafter's own confidences move with its drafts step by step, and a block drafted
+        # at full width makes a switch between draft lengths free: the hysteresis holds only
+        # against leaving plain decoding, whose step drafted nothing for the next to verify.
+        current = self._current
+        if self.acceptance.drafter_confidence and current:
+            current = None
         self._current = choose_draft_len(survival, costs, caps, current)
         return self._current
 

@@ -8,7 +8,8 @@ import sys
 from contextlib import contextmanager
 
 from specjax.cli import QUIET_LOGGERS, HelpFormatter
-from specjax.train import dflash, draft, eagle3, evaluate_cli, mtp, pard, selfdistill, target
+from specjax.train import (dflash, draft, dspark, eagle3, evaluate_cli, mtp, pard, selfdistill,
+                           target)
 
 # Each subcommand module provides add_arguments(parser) and run(args) -> exit code.
 SUBCOMMANDS = {
@@ -18,6 +19,8 @@ SUBCOMMANDS = {
     "mtp": (mtp, "train MTP draft modules (or one MTP-Eagle module) on a frozen target"),
     "pard": (pard, "train a PARD draft model (all K drafts in one pass) for a frozen target"),
     "dflash": (dflash, "train a DFlash drafter (block diffusion on the target's hidden states)"),
+    "dspark": (dspark, "train a DSpark drafter (DFlash plus a Markov head and a calibrated "
+                       "confidence head)"),
     "data": (selfdistill, "training data from a target itself: its answers to prompts made "
                           "locally, with the hidden states heads train on"),
     "eval": (evaluate_cli, "validation loss of an exported target checkpoint"),

@@ -221,7 +221,8 @@ def test_shipped_drafters_and_checkpoints_fit_their_budgets():
     """The bundled target's drafters <= 8 MB each, any other shipped head <= 24 MB (the head
     exporter's limit), all of checkpoints/ <= 80 MB (the project's budget)."""
     folder_bytes = lambda d: sum(f.stat().st_size for f in d.rglob("*") if f.is_file())
-    for name in ("stdlib-draft", "stdlib-eagle3", "stdlib-mtp", "stdlib-pard", "stdlib-dflash"):
+    for name in ("stdlib-draft", "stdlib-eagle3", "stdlib-mtp", "stdlib-pard", "stdlib-dflash",
+                 "stdlib-dspark"):
         assert (CHECKPOINTS / name / "config.json").exists(), name
         assert folder_bytes(CHECKPOINTS / name) <= 8_000_000, name
     for folder in CHECKPOINTS.iterdir():
@@ -258,3 +259,33 @@ def test_parallel_drafter_cards_state_their_block_report():
         assert report["expected_acceptance_length"] == pytest.approx(eal, abs=5e-4)
         assert report["anchors"] == anchors and len(rows) == report["depth"]
         assert "block of" in card(folder)
+
+
+def test_dspark_card_states_its_calibrated_report(target):
+    """The DSpark card carries its trainer's sequential block report with the calibrated
+    confidence per position (matching the log), and the folder loads as a DSparkHead whose
+    fitted calibration is the log's (not the identity), confidence in float32."""
+    from specjax.models import load_dflash_head
+    from specjax.models.dspark_head import DSparkHead, identity_calibration
+    folder = CHECKPOINTS / "stdlib-dspark"
+    text = card(folder)
+    rows = re.findall(r"^\| (\d+) \| ([\d.]+) \| ([\d.]+) \| (\d+) \| ([\d.]+) \| ([\d.]+) \|",
+                      text, re.MULTILINE)
+    eal = re.search(r"E\[AL\] = \*\*([\d.]+)\*\* at depth (\d+) over ([\d,]+) validation "
+                    r"anchors", text)
+    report = training_log(folder)["report"]
+    assert eal and report["expected_acceptance_length"] == pytest.approx(float(eal[1]), abs=5e-4)
+    assert report["anchors"] == int(eal[3].replace(",", "")) and len(rows) == report["depth"]
+    for (d, a, c, r, pred, diff), got in zip(rows, report["per_depth"]):
+        assert (int(d), int(r)) == (got["depth"], got["reached"])
+        assert float(a) == pytest.approx(got["agreement"], abs=5e-4)
+        assert float(c) == pytest.approx(got["conditional_agreement"], abs=5e-4)
+        assert float(pred) == pytest.approx(got["predicted_confidence"], abs=5e-4)
+        assert float(diff) == pytest.approx(got["calibration_error"], abs=5e-4)
+    head = load_dflash_head(folder, target.config)
+    assert isinstance(head, DSparkHead) and head.config.block_size == report["depth"]
+    cal = np.asarray(head.calibration[...])
+    assert cal.dtype == np.float32 and head.confidence[...].dtype == jnp.float32
+    assert not np.allclose(cal, np.asarray(identity_calibration(report["depth"])))
+    np.testing.assert_allclose(cal[0], [d["greedy_pair"] for d in report["per_depth"]],
+                               rtol=1e-6)

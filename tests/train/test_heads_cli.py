@@ -1,4 +1,4 @@
-"""`python -m specjax.train eagle3|mtp|pard|dflash` end to end on a tiny target folder."""
+"""`python -m specjax.train eagle3|mtp|pard|dflash|dspark` end to end on a tiny target folder."""
 import inspect
 import json
 import textwrap
@@ -99,6 +99,34 @@ def test_cli_dflash_end_to_end(target_folder, tmp_path, monkeypatch):
     assert head.config.mask_token_id == config.vocab_size and head.config.block_size == 2
     assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
     assert "DFlashConfig(max_draft_len=2" in (out / "MODEL_CARD.md").read_text()
+
+
+def test_cli_dspark_end_to_end(target_folder, tmp_path, monkeypatch, capsys):
+    """A DSpark folder: DFlash's layout plus the Markov and confidence heads; the report drafts
+    sequentially and the exported calibration is the fitted one (not the identity)."""
+    import numpy as np
+    from safetensors import safe_open
+    from specjax.models.dspark_head import DSparkHead, identity_calibration
+    folder, root, config = target_folder
+    monkeypatch.setattr(corpus, "stdlib_root", lambda: root)
+    out = tmp_path / "dspark"
+    assert main(["dspark", "--target", str(folder), "--out", str(out), "--layers", "1,5,7",
+                 "--markov-rank", "16", *CLI_FLAGS]) == 0
+    head = load_dflash_head(out, config)
+    assert isinstance(head, DSparkHead) and head.config.markov_rank == 16
+    assert head.config.target_layer_ids == (1, 5, 7) and head.config.block_size == 2
+    assert not np.allclose(np.asarray(head.calibration[...]), np.asarray(identity_calibration(2)))
+    with safe_open(str(out / "model.safetensors"), framework="numpy") as f:
+        dtypes = {k: str(f.get_slice(k).get_dtype()) for k in f.keys()}
+    assert dtypes.pop("confidence.weight") == dtypes.pop("confidence.calibration") == "F32"
+    assert set(dtypes.values()) == {"BF16"}
+    log = json.loads((out / "training_log.json").read_text())
+    depth1 = log["report"]["per_depth"][0]
+    assert {"predicted_confidence", "calibration_error", "greedy_pair"} <= depth1.keys()
+    assert log["head_spec"]["markov_rank"] == 16 and "step_tv" in log["entries"][0]
+    card = (out / "MODEL_CARD.md").read_text()
+    assert "DSparkConfig(max_draft_len=2" in card and "predicted c" in card and "E[AL]" in card
+    assert "predicted c" in capsys.readouterr().out
 
 
 def test_cli_data_then_eagle3_from_its_hidden_states(target_folder, tmp_path):

@@ -93,7 +93,7 @@ class DFlashConfig(SpeculativeConfig, SAEnhanced):
 class DSparkConfig(DFlashConfig):
     """DSpark: a DFlash drafter plus a Markov head (each draft conditioned on the one before
     it) and a confidence head. The block is drafted at full width (`max_draft_len`) at every
-    step.
+    step that drafts.
 
     `confidence_scheduling` (default on): how many drafts a step verifies is chosen from the
     drafter's own confidences (survival c_1 ... c_j) weighed against the measured step costs;

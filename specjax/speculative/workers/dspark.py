@@ -11,10 +11,13 @@ rejection sampling is the one it was drawn from, given that prefix; that is what
 acceptance needs (it judges draft k only when drafts 1..k-1 were accepted, i.e. equal to the
 target's emitted prefix), so the output follows the target whatever the Markov head does.
 
-The block is drafted at full width (`max_draft_len`) at every step, whatever the step
-verifies: the pass costs the same, and the next step may verify more than this one. How many
-drafts a step verifies is the engine's cost model's choice, from survival S_j = c_1 ... c_j
-of each row's newest confidences (`AcceptanceModel.confide`) instead of online estimates.
+The block is drafted at full width (`max_draft_len`) at every step that drafts at all, whatever
+the step verifies: the pass costs the same, and the next step may verify more than this one. How
+many drafts a step verifies is the engine's cost model's choice, from survival S_j = c_1 ... c_j
+of each row's newest confidences (`AcceptanceModel.confide`) instead of online estimates. A
+plain step (the choice n = 0) skips the block, as DFlash's does: where plain decoding pays best
+(large batches on a CPU) a block per step would cost more than the confidences can save. The
+rows then keep their last confidences until the engine's exploration drafts again.
 """
 from __future__ import annotations
 
@@ -63,7 +66,7 @@ class DSparkWorker(DFlashWorker):
     depth: int = 1                         # the block drafted at every step (max_draft_len)
 
     def block_width(self, num_drafts: int) -> int:
-        return self.depth
+        return self.depth if num_drafts else 0
 
     def _block(self, head, kv: KVPool, batch: StepBatch, target, newest: jax.Array,
                p: jax.Array, live: jax.Array, K: int, penalties) -> Drafts:

@@ -1,5 +1,5 @@
-"""The command-line driver shared by `python -m specjax.train eagle3` and `... mtp`: the common
-flags, and `run` (load the target, pick the data, train, report acceptance, export)."""
+"""The command-line driver shared by `python -m specjax.train eagle3`, `mtp`, `pard`, `dflash`
+and `dspark`: the common flags, and `run` (load the target, pick the data, train, report acceptance, export)."""
 from __future__ import annotations
 
 import argparse
@@ -14,6 +14,7 @@ from specjax.models.registry import load_model, resolve_model_path
 from specjax.models.config import DTYPES
 from specjax.train.config import add_train_arguments, train_config_from_args
 from specjax.train.export import compact_log
+from specjax.train.heads.calibration import dspark_report
 from specjax.train.heads.export import SIZE_LIMIT_BYTES, export_head
 from specjax.train.heads.report import acceptance_report, format_report
 from specjax.train.heads.sources import DataSource, HiddenStatesSource, corpus_source
@@ -112,7 +113,10 @@ def run(kind: str, args: argparse.Namespace, argv: list[str], spec_fields: Calla
         return 0
     batches = source.val_batches(min(tc.batch_size, 4), tc.seq_len, args.report_windows)
     start = time.perf_counter()
-    report = acceptance_report(spec, head, target, batches)
+    if spec.kind == "dspark":  # fit the confidence's calibration on these windows, then report
+        report = dspark_report(spec, head, target, batches, fit=True)
+    else:
+        report = acceptance_report(spec, head, target, batches)
     report["seconds"] = time.perf_counter() - start
     table = format_report(report, f"{spec.label} acceptance on the validation split "
                                   f"(greedy, {'block' if spec.parallel else 'chain'} of "

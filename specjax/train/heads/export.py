@@ -70,6 +70,23 @@ def write_model_card(out: Path, spec: HeadSpec, args: argparse.Namespace, log: d
         use = f"PARDConfig(max_draft_len={spec.depth}, speculative_model=\"{out}\")"
         training = (f"the PARD objective: at every anchor the prefix and {spec.depth - 1} mask "
                     "tokens, row k after the prefix predicting the token k ahead")
+    elif spec.kind == "dspark":
+        what = (f"a DSpark drafter for `{Path(args.target).name}`: a DFlash drafter "
+                f"({spec.drafter_layers} decoder layers shaped like the target's, started from "
+                f"its first ones, fc over the target's residual streams after layers "
+                f"{list(spec.capture_layers)} (0-based) injected as keys and values into every "
+                f"layer; the embeddings and LM head are the target's) plus a rank-"
+                f"{spec.markov_rank} Markov head (each draft's logits get a term of the token "
+                "before it, so the block is drafted one token at a time after the one pass) and "
+                "a confidence head with per-position Platt calibration (greedy and sampled)")
+        files = (f"`config.json` + `model.safetensors` in the layout of "
+                 f"`specjax.models.dflash_checkpoint`, architecture SpecjaxDSparkDrafter "
+                 f"({log['save_dtype']}; the confidence head and its calibration float32)")
+        use = f"DSparkConfig(max_draft_len={spec.depth}, speculative_model=\"{out}\")"
+        training = (f"every position an anchor: the block [token, mask x {spec.depth}] sees the "
+                    "context before it and itself (bidirectionally), block row k labelled with "
+                    "the target's distribution k - 1 rows on; the Markov head reads the TRUE "
+                    "previous token (one pass, teacher-forced)")
     elif spec.kind == "dflash":
         what = (f"a DFlash drafter for `{Path(args.target).name}`: {spec.drafter_layers} decoder "
                 f"layers shaped like the target's (started from its first ones), fc over the "
@@ -109,8 +126,12 @@ def write_model_card(out: Path, spec: HeadSpec, args: argparse.Namespace, log: d
         *(["- resumed; invocations in order: " + "; ".join(f"`{c}`" for c in log["commands"])]
           if len(log["commands"]) > 1 else []),
         f"- data: {log['data']}",
-        f"- labels: the target's next-token distribution (soft cross-entropy); {training}; "
-        f"step j weighted {spec.step_weight}^(j-1)",
+        (f"- labels: the target's next-token distribution; {training}; DeepSpec's loss: draft "
+         "k weighted exp(-(k-1)/4) x [0.1 soft cross-entropy + 0.9 L1 between the draft's and "
+         "the target's distributions + BCE(sigmoid(z_k), 1 - TV)] (TV = half the L1, a "
+         "stop-gradient label)" if spec.kind == "dspark" else
+         f"- labels: the target's next-token distribution (soft cross-entropy); {training}; "
+         f"step j weighted {spec.step_weight}^(j-1)"),
         f"- {done} steps of {tc['batch_size']} x {tc['seq_len']} tokens"
         + (f" (of {tc['steps']} planned: the time budget ended the run)" if done < tc["steps"]
            else "") + f"; AdamW (b1 "
@@ -126,6 +147,14 @@ def write_model_card(out: Path, spec: HeadSpec, args: argparse.Namespace, log: d
         "argmax choice k tokens ahead; conditional agreement is over anchors whose depths "
         "1..k-1 all agreed; E[AL] = 1 + mean number of leading agreeing depths (tokens per "
         "target step).\n",
+        *([("DSpark drafts the block one token at a time (x_k = argmax(base_k + markov(x_{k-1})), "
+            "x_0 the anchor), as the engine does; the confidence z_k reads the drafted x_{k-1}. "
+            "Predicted c: the mean calibrated confidence (greedy rule) over the anchors that "
+            "reach depth k, against the measured conditional agreement; the per-position Platt "
+            "pairs were fitted on these same anchors (held-out |diff|: a two-fold cross-fit). "
+            "1 - TV: the mean acceptance probability of rejection sampling at temperature 1 "
+            "(the sampled rule's label), and the sampled pair's prediction of it.\n")]
+          if spec.kind == "dspark" else []),
         table,
         f"\n_Exported {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC._\n",
     ]

@@ -13,6 +13,11 @@ anchor's earlier mask rows (the pass the engine runs after each step: [.., newes
 DFlash: the context features of rows 0..T (each layer's injected keys), and per anchor a block
 [x[a], mask x K] at positions a..a+K that sees the context rows < a and its own block,
 bidirectionally. Block row k is draft k.
+
+DSpark: DFlash's pass, then draft k's logits add the Markov term of the token before it,
+teacher-forced: the TRUE token x[a+k-1] (k = 1: the anchor itself), so the whole block still
+trains in one pass (at inference that token is the draft at k - 1). The confidence logit z_k
+reads the final-normed block row k and the same Markov embedding.
 """
 from __future__ import annotations
 
@@ -21,6 +26,7 @@ import jax.numpy as jnp
 
 from specjax.models import Llama
 from specjax.train.heads.attention import masked_attention
+from specjax.train.heads.chain import shift_rows
 
 
 def pard_mask_rows(T: int, K: int) -> tuple[jax.Array, jax.Array]:
@@ -58,10 +64,10 @@ def pard_logits(model: Llama, tokens: jax.Array, K: int, vocab_size: int, mask_t
     return out
 
 
-def dflash_logits(head, target: Llama, captured: jax.Array, tokens: jax.Array, K: int
-                  ) -> list[jax.Array]:
-    """captured `[>=C, B, >=T+1, H]` (the drafter's layers first), tokens `[B, T+1]` -> K arrays
-    `[B, T, V]`: draft k at each anchor index."""
+def dflash_hidden(head, target: Llama, captured: jax.Array, tokens: jax.Array, K: int
+                  ) -> jax.Array:
+    """captured `[>=C, B, >=T+1, H]` (the drafter's layers first), tokens `[B, T+1]` -> every
+    anchor's block rows `[B, T, K+1, H]` (before the final norm; row k is draft k)."""
     B, T1 = tokens.shape
     T = T1 - 1
     C = len(head.config.target_layer_ids)
@@ -83,8 +89,32 @@ def dflash_logits(head, target: Llama, captured: jax.Array, tokens: jax.Array, K
                                 jnp.concatenate([cv, v], axis=1), mask), state
 
     x, _ = head.run(target, block_tokens, jnp.broadcast_to(block_pos, block_tokens.shape), attend)
-    logits = head.logits(target, x).reshape(B, T, K + 1, -1)
+    return x.reshape(B, T, K + 1, -1)
+
+
+def dflash_logits(head, target: Llama, captured: jax.Array, tokens: jax.Array, K: int
+                  ) -> list[jax.Array]:
+    """captured `[>=C, B, >=T+1, H]` (the drafter's layers first), tokens `[B, T+1]` -> K arrays
+    `[B, T, V]`: draft k at each anchor index."""
+    logits = head.logits(target, dflash_hidden(head, target, captured, tokens, K))
     return [logits[:, :, k] for k in range(1, K + 1)]
+
+
+def dspark_outputs(head, target: Llama, captured: jax.Array, tokens: jax.Array, K: int
+                   ) -> tuple[list[jax.Array], list[jax.Array]]:
+    """A DSpark head in training (teacher-forced Markov inputs) -> (K logits `[B, T, V]`, K
+    confidence logits z `[B, T]`): draft k of anchor row a = t + 1 reads the true token
+    x[a+k-1] = tokens[:, t+k] (0 past the window: those rows are masked by the loss)."""
+    T = tokens.shape[1] - 1
+    x = dflash_hidden(head, target, captured, tokens, K)
+    base = head.logits(target, x)
+    normed = head.normed(x)
+    logits, z = [], []
+    for k in range(1, K + 1):
+        e, term = head.markov(shift_rows(tokens, k, T))
+        logits.append(base[:, :, k] + term)
+        z.append(head.confidence_logit(normed[:, :, k], e))
+    return logits, z
 
 
 def parallel_logits(spec, head, target: Llama, captured: jax.Array, tokens: jax.Array
@@ -93,4 +123,6 @@ def parallel_logits(spec, head, target: Llama, captured: jax.Array, tokens: jax.
     if spec.kind == "pard":
         V = target.config.vocab_size
         return pard_logits(head, tokens, spec.depth, V, V)
+    if spec.kind == "dspark":
+        return dspark_outputs(head, target, captured, tokens, spec.depth)[0]
     return dflash_logits(head, target, captured, tokens, spec.depth)

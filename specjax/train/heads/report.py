@@ -27,21 +27,32 @@ from specjax.train.heads.spec import HeadSpec, split_head
 
 def greedy_chain_tokens(target: Llama, tokens: jax.Array, depth: int,
                         logits: jax.Array | None = None) -> jax.Array:
+    """The target's greedy continuation of every anchor (`greedy_chain`'s tokens)."""
+    return greedy_chain(target, tokens, depth, logits)[0]
+
+
+def greedy_chain(target: Llama, tokens: jax.Array, depth: int, logits: jax.Array | None = None,
+                 with_logits: bool = False) -> tuple[jax.Array, jax.Array | None]:
     """The target's greedy continuation of every anchor: tokens `[B, T+1]` -> g `[depth, B, T]`,
     g[k-1][b, a] = the target's argmax choice k tokens after the prefix tokens[b, :a+2]
     (g_1 from the plain forward; g_k for k >= 2 with the prefix followed by g_1..g_{k-1}).
 
     One sequence holds the window and, for every anchor a, slots for g_1..g_{depth-1} at
     positions a+2.., each attending to the prefix rows <= a+1 and to the anchor's earlier slots
-    (a tree mask); depth-1 forwards fill the slots one depth at a time."""
+    (a tree mask); depth-1 forwards fill the slots one depth at a time.
+
+    -> (g, and with `with_logits` the target's logits at each depth `[depth, B, T, V]`: the
+    distribution g_k is the argmax of, after the greedy prefix g_1..g_{k-1}; else None)."""
     B, T1 = tokens.shape
     T = T1 - 1
     if logits is None:
         logits = target.forward(tokens)[0]
     g = [jnp.argmax(logits[:, 1:], axis=-1).astype(jnp.int32)]
+    depth_logits = [logits[:, 1:]]
     n = depth - 1
+    finish = lambda: (jnp.stack(g), jnp.stack(depth_logits) if with_logits else None)
     if n == 0:
-        return jnp.stack(g)
+        return finish()
     anchors = jnp.arange(T)
     slot_pos = anchors[None, :] + 1 + jnp.arange(1, n + 1)[:, None]      # [n, T]
     positions = jnp.concatenate([jnp.arange(T1), slot_pos.reshape(-1)])  # [S]
@@ -67,9 +78,10 @@ def greedy_chain_tokens(target: Llama, tokens: jax.Array, depth: int,
         slots = jnp.stack(g + [g[0]] * (n - s))  # slots 1..s hold g_1..g_s; later ones unused
         seq = jnp.concatenate([tokens, slots.transpose(1, 0, 2).reshape(B, n * T)], axis=1)
         x, _, _ = target.run_layers(target.embed_tokens(seq), pos_b, attend, None)
-        rows = x[:, T1 + (s - 1) * T: T1 + s * T]
-        g.append(jnp.argmax(target.logits(rows), axis=-1).astype(jnp.int32))
-    return jnp.stack(g)
+        rows = target.logits(x[:, T1 + (s - 1) * T: T1 + s * T])
+        g.append(jnp.argmax(rows, axis=-1).astype(jnp.int32))
+        depth_logits.append(rows)
+    return finish()
 
 
 @partial(jax.jit, static_argnums=(0, 1, 2))
@@ -134,6 +146,9 @@ def chain_report(agree: np.ndarray, mask: np.ndarray) -> dict:
 
 
 def acceptance_report(spec: HeadSpec, head, target: Llama, batches: list[dict]) -> dict:
+    if spec.kind == "dspark":  # sequential drafts through the Markov head, and the confidence
+        from specjax.train.heads.calibration import dspark_report
+        return dspark_report(spec, head, target, batches)
     report = chain_report(*chain_agreement(spec, head, target, batches))
     report["chain_inputs"] = (
         "none: one pass drafts the block (exact acceptance)" if spec.parallel else
@@ -144,11 +159,23 @@ def acceptance_report(spec: HeadSpec, head, target: Llama, batches: list[dict]) 
 
 def format_report(report: dict, title: str = "") -> str:
     lines = [title] if title else []
-    lines += ["| depth | top-1 agreement | conditional agreement | anchors reached |",
-              "|---:|---:|---:|---:|"]
+    confidence = "predicted_confidence" in report["per_depth"][0]
+    if confidence:  # DSpark: the calibrated confidence against what it predicts
+        lines += ["| depth | top-1 agreement | conditional agreement | anchors reached | "
+                  "predicted c | \\|predicted - measured\\| | held-out \\|diff\\| | "
+                  "1 - TV (measured) | predicted (sampled) |",
+                  "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    else:
+        lines += ["| depth | top-1 agreement | conditional agreement | anchors reached |",
+                  "|---:|---:|---:|---:|"]
     for d in report["per_depth"]:
-        lines.append(f"| {d['depth']} | {d['agreement']:.3f} | "
-                     f"{d['conditional_agreement']:.3f} | {d['reached']} |")
+        row = (f"| {d['depth']} | {d['agreement']:.3f} | "
+               f"{d['conditional_agreement']:.3f} | {d['reached']} |")
+        if confidence:
+            row += (f" {d['predicted_confidence']:.3f} | {d['calibration_error']:.3f} | "
+                    f"{d['held_out_calibration_error']:.3f} | {d['measured_sampled']:.3f} | "
+                    f"{d['predicted_sampled']:.3f} |")
+        lines.append(row)
     lines.append(f"\nE[AL] = **{report['expected_acceptance_length']:.3f}** at depth "
                  f"{report['depth']} over {report['anchors']:,} validation anchors "
                  f"(chain inputs: {report['chain_inputs']})")

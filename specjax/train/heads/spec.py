@@ -10,6 +10,7 @@ from flax import nnx
 
 from specjax.models import Llama
 from specjax.models.dflash_head import DFlashHead, DFlashHeadConfig
+from specjax.models.dspark_head import DSparkHead, DSparkHeadConfig
 from specjax.models.eagle3_head import Eagle3Head, Eagle3HeadConfig
 from specjax.models.mtp_head import MTPHeads, target_lm_head
 
@@ -22,7 +23,8 @@ class HeadSpec:
     head's output width. kind "mtp": `num_modules` MTP modules; one module is MTP-Eagle (the
     chain), more is vanilla MTP (the dense chain). The parallel drafters: kind "pard" (a
     small causal LM, `drafter_layers` layers shaped like the target's), kind "dflash"
-    (`drafter_layers` layers reading the target at `capture_layers`); `depth` is the block
+    (`drafter_layers` layers reading the target at `capture_layers`), kind "dspark" (a DFlash
+    drafter plus a rank-`markov_rank` Markov head and a confidence head); `depth` is the block
     they propose in one pass."""
 
     kind: str
@@ -33,9 +35,10 @@ class HeadSpec:
     num_modules: int = 0
     step_weight: float = 0.8
     drafter_layers: int = 0
+    markov_rank: int = 64                   # DSpark's Markov head
 
     def __post_init__(self):
-        if self.kind not in ("eagle3", "mtp", "pard", "dflash"):
+        if self.kind not in ("eagle3", "mtp", "pard", "dflash", "dspark"):
             raise ValueError(f"unknown head kind {self.kind!r}")
         if self.depth < 1:
             raise ValueError(f"--depth must be >= 1, got {self.depth}")
@@ -49,8 +52,10 @@ class HeadSpec:
             if bad or list(self.capture_layers) != sorted(set(self.capture_layers)):
                 raise ValueError(f"--layers {list(self.capture_layers)}: distinct ascending "
                                  f"layers of the target's {self.num_layers} (0..{self.num_layers - 1})")
-            if self.kind == "dflash" and not self.capture_layers:
-                raise ValueError("DFlash needs at least one target layer (--layers)")
+            if self.kind in ("dflash", "dspark") and not self.capture_layers:
+                raise ValueError(f"{self.label} needs at least one target layer (--layers)")
+            if self.kind == "dspark" and self.markov_rank < 1:
+                raise ValueError(f"--markov-rank must be >= 1, got {self.markov_rank}")
         elif self.kind == "eagle3":
             layers = self.capture_layers
             if len(layers) != 3 or len(set(layers)) != 3 or list(layers) != sorted(layers):
@@ -68,8 +73,9 @@ class HeadSpec:
 
     @property
     def parallel(self) -> bool:
-        """All `depth` drafts from one pass (PARD, DFlash)."""
-        return self.kind in ("pard", "dflash")
+        """All `depth` drafts from one pass (PARD, DFlash, DSpark: its Markov head adds a
+        per-draft term after the pass)."""
+        return self.kind in ("pard", "dflash", "dspark")
 
     @property
     def chain(self) -> bool:
@@ -84,8 +90,8 @@ class HeadSpec:
 
     @property
     def label(self) -> str:
-        if self.kind in ("pard", "dflash"):
-            return {"pard": "PARD", "dflash": "DFlash"}[self.kind]
+        if self.kind in ("pard", "dflash", "dspark"):
+            return {"pard": "PARD", "dflash": "DFlash", "dspark": "DSpark"}[self.kind]
         if self.kind == "eagle3":
             return "EAGLE-3"
         return "MTP-Eagle" if self.num_modules == 1 else f"MTP ({self.num_modules} modules)"
@@ -143,7 +149,9 @@ def new_head(spec: HeadSpec, target: Llama, seed: int, counts: np.ndarray | None
 def _new_parallel(spec: HeadSpec, target: Llama, rngs: nnx.Rngs, eye, final_norm):
     """PARD: the target's embeddings (plus a mask row, the mean embedding), its first
     `drafter_layers` layers and final norm. DFlash: the target's first `drafter_layers` layers
-    and final norm; fc passes the first captured layer through."""
+    and final norm; fc passes the first captured layer through. DSpark: DFlash's body, initialised
+    the same way (same draws), plus its own heads as `DSparkHead` makes them (Markov out and
+    confidence zero: a fresh head drafts as its DFlash body; calibration the identity)."""
     cfg, n = target.config, spec.drafter_layers
     copy = lambda x: jnp.array(x, copy=True)
     if spec.kind == "pard":
@@ -158,7 +166,10 @@ def _new_parallel(spec: HeadSpec, target: Llama, rngs: nnx.Rngs, eye, final_norm
         layers = draft.layers
     else:
         config = DFlashHeadConfig.for_target(cfg, n, spec.capture_layers, spec.depth)
-        draft = DFlashHead(config, rngs=rngs)
+        if spec.kind == "dspark":
+            draft = DSparkHead(DSparkHeadConfig.of(config, spec.markov_rank), rngs=rngs)
+        else:
+            draft = DFlashHead(config, rngs=rngs)
         H = cfg.hidden_size
         draft.fc[...] = draft.fc[...].at[:H].add(eye)
         draft.body.embed[...] = target.embed[...].mean(0, keepdims=True)

@@ -83,12 +83,17 @@ def _postfix(e: dict) -> dict:
     return shown
 
 
-HEAD_LOG = LogFormat(
-    fields=lambda got, s_step: {"kl": float(np.mean([m["kl"] for m in got])),
-                                "step_loss": _mean_per_step(got, "step_loss"),
-                                "step_acc": _mean_per_step(got, "step_acc"),
-                                "s_per_step": s_step},
-    postfix=_postfix, line=_log_line)
+def _fields(got: list[dict], s_step) -> dict:
+    out = {"kl": float(np.mean([m["kl"] for m in got])),
+           "step_loss": _mean_per_step(got, "step_loss"),
+           "step_acc": _mean_per_step(got, "step_acc")}
+    for key in ("step_tv", "step_bce"):  # DSpark's: TV to the target, the confidence's BCE
+        if key in got[0]:
+            out[key] = _mean_per_step(got, key)
+    return {**out, "s_per_step": s_step}
+
+
+HEAD_LOG = LogFormat(fields=_fields, postfix=_postfix, line=_log_line)
 
 
 def train_head(spec: HeadSpec, tc: TrainConfig, target: Llama, source: DataSource, work: Path,
