@@ -1,5 +1,6 @@
 """The command-line driver shared by `python -m specjax.train eagle3`, `mtp`, `pard`, `dflash`
-and `dspark`: the common flags, and `run` (load the target, pick the data, train, report acceptance, export)."""
+and `dspark`: the common flags, and `run` (load the target, pick the data, train, report
+acceptance, export)."""
 from __future__ import annotations
 
 import argparse

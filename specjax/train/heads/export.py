@@ -153,7 +153,9 @@ def write_model_card(out: Path, spec: HeadSpec, args: argparse.Namespace, log: d
             "reach depth k, against the measured conditional agreement; the per-position Platt "
             "pairs were fitted on these same anchors (held-out |diff|: a two-fold cross-fit). "
             "1 - TV: the mean acceptance probability of rejection sampling at temperature 1 "
-            "(the sampled rule's label), and the sampled pair's prediction of it.\n")]
+            "(the sampled rule's label), and the sampled pair's prediction of it. AUC: how well "
+            "c ranks the drafts that agree above those that do not, over the same anchors "
+            "(0.5: no better than chance).\n")]
           if spec.kind == "dspark" else []),
         table,
         f"\n_Exported {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC._\n",
