@@ -46,6 +46,9 @@ STOPS = tuple(f"{SPEC}::test_stop_and_eos_inside_an_accepted_run[{setup}]"
 HYBRID = "tests/engine/test_hybrid.py"
 HYBRID_GREEDY = tuple(f"{HYBRID}::test_greedy_spec_equals_plain_greedy[{setup}]"
                       for setup in ("user_states", "draft_target_replay_no_overlap"))
+# The shipped DSpark drafter's groups: its q is conditioned on the drafted prefix.
+E2E_DSPARK = tuple(f"{E2E}::test_tokens_decided_at_each_depth_follow_the_target[dspark-{group}]"
+                   for group in ("depth 2", "depth 3", "depth 1", "bonus (full chain)"))
 LEDGER = tuple(f"tests/engine/test_kv_ledger.py::test_randomized_kv_ledger_with_overlap[{setup}]"
                for setup in ("draft_target", "mtp"))
 
@@ -98,6 +101,14 @@ MUTANTS = [
            "                jax.nn.softmax(filtered, axis=-1))",
            "                jax.nn.softmax(logits.astype(jnp.float32), axis=-1))",
            E2E_DEPTHS),
+    Mutant("dspark_q_without_markov",
+           "DSpark hands rejection sampling each draft's distribution without the Markov term "
+           "it was drawn with (a DFlash reading of a DSpark block)",
+           "specjax/speculative/workers/dspark.py",
+           "        return (draft, before.at[:, k].set(draft)), (probs, c)",
+           "        return (draft, before.at[:, k].set(draft)), (draft_tokens_and_probs("
+           "base[:, k], batch, first + k, with_probs, penalties, before, num_before=k)[1], c)",
+           E2E_DSPARK),
     # Bugs the greedy tests only see with drafts both accepted and rejected, stops inside an
     # accepted run, and steps in flight.
     Mutant("strict_accept_counts_matches", "a draft matching after a mismatch counted accepted",

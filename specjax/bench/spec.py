@@ -492,6 +492,10 @@ def run(args: argparse.Namespace) -> None:
                       efficiency(speed["decode_speedup"], acc["per_step"], t1, tD),
                       f"{exact}/{len(runs)}" if greedy else "-", ", ".join(by_cat)), flush=True)
         method_rows.append((label, speed["tps"]))
+        if llm.stats.calibration:   # a drafter with a confidence head (its last run)
+            print("  confidence per draft position, predicted / measured acceptance (steps): "
+                  + ", ".join(f"{c:.2f} / {a:.2f} ({n})"
+                              for c, a, n in llm.stats.calibration), flush=True)
     if args.llama_cpp:
         lcpp_runs = _llama_cpp_rows(args, path, plain, prompts, reference, tokenizer, tab,
                                     greedy, plain_runs)

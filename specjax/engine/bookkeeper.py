@@ -152,6 +152,10 @@ class Bookkeeper:
                 accepted_sum += num_accepted
                 drafted_sum += num_drafts_verified
             if confidence is not None:
+                if request.draft_confidence is not None and num_drafts_verified:
+                    self.stats.record_confidence(request.draft_confidence,
+                                                 num_drafts_verified, num_accepted)
+                request.draft_confidence = [float(c) for c in confidence[i]]
                 self.acceptance.confide(request.request_id, confidence[i])
             tokens = [int(t) for t in new_tokens[i, :num_accepted + 1]]
             try:

@@ -117,6 +117,8 @@ class Request:
     slot: int | None = None
     draft_tokens: list[int] = dataclasses.field(default_factory=list)
     drafts_held: int = 0   # drafts its slot holds for the next step (in-step drafters)
+    # The drafter's confidence in each of those drafts (DSpark), once read; else None
+    draft_confidence: list[float] | None = None
     grammar: Grammar | None = None  # structured output: the state after the output so far
     latest_step: int = 0          # id of the newest generation step dispatched for it
     latest_reserve: int = 0       # positions that step may write past the newest token

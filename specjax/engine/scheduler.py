@@ -156,6 +156,7 @@ class Scheduler:
         request.num_computed = 0
         request.prefilled = False  # recompute every token, then sample the next one
         request.draft_tokens = []
+        request.draft_confidence = None
         request.status = Status.WAITING
         request.stats.num_preemptions += 1
         self.on_preempt(request)

@@ -67,6 +67,12 @@ class EngineStats:
     # generation steps per draft length chosen (index 0: plain steps)
     draft_len_histogram: list[int] = dataclasses.field(default_factory=list)
     accepted_histogram: list[int] = dataclasses.field(default_factory=list)
+    # A drafter with a confidence head (DSpark), per draft position k (index k - 1), over the
+    # request-steps that reached k (verified at least k drafts, the first k - 1 accepted):
+    # how many, the sum of the confidences it gave draft k, and how many accepted it.
+    confidence_reached: list[int] = dataclasses.field(default_factory=list)
+    confidence_sum: list[float] = dataclasses.field(default_factory=list)
+    confidence_accepted: list[int] = dataclasses.field(default_factory=list)
     trace: list[StepRecord] | None = None   # per-step records while tracing, else None
     # The engine's measured step costs (`specjax.engine.costs.CostTable`; kept by reset)
     step_costs: Any = None
@@ -76,6 +82,26 @@ class EngineStats:
         accepted `accepted` of them (rows without drafts are not recorded)."""
         _bump(self.verified_histogram, verified)
         _bump(self.accepted_histogram, accepted)
+
+    def record_confidence(self, confidence: list[float], verified: int, accepted: int) -> None:
+        """One request-step's verified drafts, with the confidences its drafter gave them."""
+        for k in range(min(verified, accepted + 1, len(confidence))):
+            for series in (self.confidence_reached, self.confidence_sum,
+                           self.confidence_accepted):
+                if k >= len(series):
+                    series.append(0)
+            self.confidence_reached[k] += 1
+            self.confidence_sum[k] += confidence[k]
+            self.confidence_accepted[k] += k < accepted
+
+    @property
+    def calibration(self) -> list[tuple[float, float, int]]:
+        """Per draft position: (mean confidence the drafter predicted, measured acceptance,
+        request-steps that reached it) -- how well a confidence head is calibrated on this
+        traffic. Empty without one."""
+        return [(s / n, a / n, n) for s, a, n in zip(self.confidence_sum,
+                                                     self.confidence_accepted,
+                                                     self.confidence_reached) if n]
 
     def record_step(self, with_drafts: int, accepted: int, drafted: int, draft_len: int,
                     proposed: int) -> None:

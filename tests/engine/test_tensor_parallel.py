@@ -97,6 +97,7 @@ def test_every_mode_at_two_and_four_devices_equals_one():
 
 @pytest.mark.slow
 def test_shipped_parallel_drafters_at_two_devices_equal_one():
-    """PARD and DFlash with the bundled target's trained drafters (2 KV heads: 2 devices)."""
-    modes = ["bundled_plain", "bundled_pard", "bundled_dflash"]
+    """PARD, DFlash and DSpark with the bundled target's trained drafters (2 KV heads: 2
+    devices)."""
+    modes = ["bundled_plain", "bundled_pard", "bundled_dflash", "bundled_dspark"]
     check_modes(tp_results(modes, [2]), modes, [2])

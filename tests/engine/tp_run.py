@@ -22,8 +22,8 @@ import jax  # noqa: E402
 from specjax import LLM, SamplingParams  # noqa: E402
 from specjax.engine.compile_counter import count_compilations  # noqa: E402
 from specjax.speculative.config import (DFlashConfig, DraftTargetConfig,  # noqa: E402
-                                        EagleConfig, MTPConfig, NGramConfig, PARDConfig,
-                                        SAConfig)
+                                        DSparkConfig, EagleConfig, MTPConfig, NGramConfig,
+                                        PARDConfig, SAConfig)
 from tests.spec_checks import truncated_copy  # noqa: E402
 from tests.speculative.perm_models import (CFG, PROMPTS, eagle_head, mtp_heads,  # noqa: E402
                                            perm_target)
@@ -38,7 +38,9 @@ BUNDLED_MODES = {"bundled_plain": lambda: None,
                  "bundled_pard": lambda: PARDConfig(max_draft_len=3,
                                                     speculative_model="bundled-pard"),
                  "bundled_dflash": lambda: DFlashConfig(max_draft_len=3,
-                                                        speculative_model="bundled-dflash")}
+                                                        speculative_model="bundled-dflash"),
+                 "bundled_dspark": lambda: DSparkConfig(max_draft_len=3,
+                                                        speculative_model="bundled-dspark")}
 CODE = ["def fibonacci(n):\n", "import os\n\nfor root, dirs, files in os.walk(",
         "class Stack:\n    def __init__(self):\n", "def add(a, b):\n    return", "# sort\n"]
 

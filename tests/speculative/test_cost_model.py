@@ -86,3 +86,22 @@ def test_a_new_length_must_beat_the_current_one_by_the_hysteresis():
     assert choose_draft_len(s, clearly, current=0) == 1
     assert choose_draft_len(s, slightly, current=1) == 1
     assert choose_draft_len(s, slightly, current=7) == 1   # not a measured length: no pull
+
+
+def test_a_drafters_confidences_replace_the_online_estimates_of_its_requests():
+    model = AcceptanceModel(4, drafter_confidence=True)
+    for _ in range(20):
+        model.update(1, verified=4, accepted=4)   # request 1 always accepts everything ...
+    model.confide(1, np.array([0.5, 0.4, 1.5, -1.0]))   # ... but its drafter doubts these
+    model.confide(2, np.array([0.9, 0.8]))               # a shorter block: the rest count 0
+    survival = model.survival([1, 2, 3])
+    np.testing.assert_allclose(survival[0], [0.5, 0.2, 0.2, 0.0])   # clipped to [0, 1]
+    np.testing.assert_allclose(survival[1], [0.9, 0.72, 0.0, 0.0])
+    # Request 3 has no confidences yet: the engine-wide online estimate, which request 1's
+    # full acceptance raised.
+    assert survival[2][0] > INITIAL_RATE
+    model.forget(1)
+    assert model.survival([1])[0][0] != 0.5
+    ignored = AcceptanceModel(4)   # confidence scheduling off: confidences are not used
+    ignored.confide(1, np.zeros(4))
+    assert ignored.survival([1])[0][0] > 0.5

@@ -2,8 +2,8 @@
 before it (and hands rejection sampling that conditional distribution), greedy output equals
 plain decoding with and without confidence scheduling, and confidence scheduling verifies what
 the drafter's confidences and the step costs say. The statistical tests of sampled output are
-`test_rejection_sampling_e2e.py`'s (every shipped in-step drafter, the bundled DSpark among
-them) and `test_verify_lengths.py`'s."""
+`test_rejection_sampling_e2e.py`'s at a fixed length (every shipped in-step drafter, the bundled
+DSpark among them) and the one below under confidence scheduling."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,8 +11,11 @@ import pytest
 from flax import nnx
 
 from specjax import DSparkConfig, LLM, SamplingParams
+from specjax.bench.sampling import (depth_groups, in_step_configs, judge_groups, make_llm,
+                                    sample_and_tag, target_probs)
 from specjax.core.batch import empty_batch
 from specjax.core.sampling import filter_logits
+from specjax.engine import engine as engine_module
 from specjax.engine.costs import CostTable
 from specjax.models.dflash_checkpoint import load_dflash_head
 from specjax.models.dflash_head import DFlashHeadConfig
@@ -153,6 +156,10 @@ def test_confidence_scheduling_verifies_what_the_confidences_pay_for(monkeypatch
     hist = llm.stats.draft_len_histogram
     # The first steps run on the prior (no confidences read yet); then two drafts a step.
     assert hist[2] >= 0.8 * sum(hist), hist
+    # The statistics pair each verified draft with the confidence it was drafted with.
+    calibration = llm.stats.calibration
+    np.testing.assert_allclose([c for c, _, _ in calibration[:2]], [0.99, 0.99], atol=1e-4)
+    assert all(0 <= a <= 1 and n > 0 for _, a, n in calibration)
     assert llm.engine.allocator.num_free_blocks == llm.engine.allocator.total_blocks
 
 
@@ -167,3 +174,44 @@ def test_bad_configs_are_refused_before_any_work(target):
                      sa_config=SAEnhancerConfig())
     with pytest.raises(ValueError, match="confidence_scheduling"):
         DSparkConfig(max_draft_len=4, speculative_model=str(DFLASH), confidence_scheduling=1)
+
+
+# Sampled output with confidence scheduling, at the standard of test_rejection_sampling_e2e.py
+# (which runs the shipped DSpark at a fixed length): 128 sequences x 32 tokens at temperature
+# 0.8, D = 3, every other step's length chosen from the drafter's confidences (step costs
+# 1 + 0.1 D), the others exploring, every token judged against the target's exact distribution at
+# its prefix per depth, alpha = 1e-5 per group (fixed seeds: deterministic).
+SHIPPED = in_step_configs(3).get("dspark")
+N, MAX_TOKENS, TEMPERATURE, D = 128, 32, 0.8, 3
+
+
+@pytest.fixture(scope="module")
+def scheduled_run():
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(CostTable, "observe", lambda self, *args: None)
+        # Seeded rows (the test's) would pin their steps at the configured length.
+        mp.setattr(engine_module.Engine, "_length_decides_output", lambda self, r: False)
+        # Every other step explores (another length); the rest are the confidences' choice.
+        mp.setattr(engine_module, "EXPLORE_EVERY", 2)
+        mp.setattr(engine_module, "EXPLORE_STEPS", 1)
+        llm = make_llm(SHIPPED)
+        set_costs(llm, lambda d: 1.0 + 0.1 * d)
+        tags = sample_and_tag(llm, D, N, MAX_TOKENS, TEMPERATURE, seed_offset=5 * 10**6)
+    return llm, tags, target_probs(llm, tags.sequences, TEMPERATURE)
+
+
+@pytest.mark.skipif(SHIPPED is None, reason="no bundled DSpark drafter")
+def test_sampled_tokens_follow_the_target_under_confidence_scheduling(scheduled_run):
+    llm, tags, p = scheduled_run
+    hist = llm.stats.draft_len_histogram
+    assert all(hist[1:4]), hist
+    groups = depth_groups(tags, D)
+    for name in ("depth 1", "depth 2", "depth 3", "bonus (full chain)", "bonus (short chain)"):
+        assert len(groups[name]) >= 100, (name, len(groups[name]))
+    for r in judge_groups(tags, p, D):
+        if r.count:
+            assert not r.differs, (f"{r.name}: chi2 {r.stat:.1f} > {r.critical:.1f} "
+                                   f"(df {r.df}, n {r.count})")
+    for r in judge_groups(tags, p, D, drafted=True):   # the power check
+        assert r.differs, f"{r.name}: chi2 {r.stat:.1f} <= {r.critical:.1f}"
+    assert llm.engine.allocator.num_free_blocks == llm.engine.allocator.total_blocks
