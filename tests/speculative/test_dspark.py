@@ -4,6 +4,8 @@ plain decoding with and without confidence scheduling, and confidence scheduling
 the drafter's confidences and the step costs say. The statistical tests of sampled output are
 `test_rejection_sampling_e2e.py`'s at a fixed length (every shipped in-step drafter, the bundled
 DSpark among them) and the one below under confidence scheduling."""
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -177,12 +179,23 @@ def test_bad_configs_are_refused_before_any_work(target):
 
 
 # Sampled output with confidence scheduling, at the standard of test_rejection_sampling_e2e.py
-# (which runs the shipped DSpark at a fixed length): 128 sequences x 32 tokens at temperature
+# (which runs the shipped DSpark at a fixed length). The drafter is the shipped one with its
+# Markov term made MARKOV_GAIN times stronger: its drafts then depend on the drafts before them
+# enough that a q read without that dependence shows in the statistic (tests/mutants.py), which
+# the shipped head's gentler term does not at this sample size. 128 sequences x 32 tokens at temperature
 # 0.8, D = 3, every other step's length chosen from the drafter's confidences (step costs
 # 1 + 0.1 D), the others exploring, every token judged against the target's exact distribution at
 # its prefix per depth, alpha = 1e-5 per group (fixed seeds: deterministic).
 SHIPPED = in_step_configs(3).get("dspark")
 N, MAX_TOKENS, TEMPERATURE, D = 128, 32, 0.8, 3
+MARKOV_GAIN = 4.0
+
+
+def stronger_markov(config):
+    head = load_dflash_head(CHECKPOINTS_DIR / "stdlib-dspark",
+                            load_model(CHECKPOINTS_DIR / BUNDLED_TARGET, "float32").config)
+    head.markov_out[...] = MARKOV_GAIN * head.markov_out[...]
+    return dataclasses.replace(config, speculative_model=head)
 
 
 @pytest.fixture(scope="module")
@@ -194,7 +207,7 @@ def scheduled_run():
         # Every other step explores (another length); the rest are the confidences' choice.
         mp.setattr(engine_module, "EXPLORE_EVERY", 2)
         mp.setattr(engine_module, "EXPLORE_STEPS", 1)
-        llm = make_llm(SHIPPED)
+        llm = make_llm(stronger_markov(SHIPPED))
         set_costs(llm, lambda d: 1.0 + 0.1 * d)
         tags = sample_and_tag(llm, D, N, MAX_TOKENS, TEMPERATURE, seed_offset=5 * 10**6)
     return llm, tags, target_probs(llm, tags.sequences, TEMPERATURE)
@@ -207,7 +220,8 @@ def test_sampled_tokens_follow_the_target_under_confidence_scheduling(scheduled_
     assert all(hist[1:4]), hist
     groups = depth_groups(tags, D)
     for name in ("depth 1", "depth 2", "depth 3", "bonus (full chain)", "bonus (short chain)"):
-        assert len(groups[name]) >= 100, (name, len(groups[name]))
+        assert len(groups[name]) >= (20 if name.startswith("bonus") else 100), \
+            (name, len(groups[name]))
     for r in judge_groups(tags, p, D):
         if r.count:
             assert not r.differs, (f"{r.name}: chi2 {r.stat:.1f} > {r.critical:.1f} "
