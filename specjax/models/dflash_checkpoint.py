@@ -139,7 +139,7 @@ def load_dflash_head(folder: str | os.PathLike, target: ModelConfig, dtype: str 
         params.update(markov_in=take("markov.embedding.weight", (V, r)),
                       markov_out=take("markov.proj.weight", (r, V), transpose=True),
                       confidence=f32("confidence.weight", (1, H + r))[0],
-                      calibration=f32("confidence.calibration", (2, K, 2)))
+                      calibration=f32("confidence.calibration", (2, K, 3)))
     refuse_leftovers(tensors, f"the DFlash drafter in {folder} has tensors its config does "
                               "not name")
     build = DSparkHead if dspark else DFlashHead

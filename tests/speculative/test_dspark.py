@@ -59,7 +59,8 @@ def test_each_draft_is_drawn_from_its_distribution_given_the_drafted_prefix():
     batch.temperature[:] = [0.0, 1.0, 0.7]
     batch.top_k[:] = [0, 0, 5]
     batch.seeds[:] = [1, 2, 3]
-    head.calibration[...] = head.calibration[...].at[1, :, 1].set(0.5)  # the sampled rule's bias
+    head.calibration[...] = jnp.broadcast_to(jnp.array([[[1.2, 0.0, -0.2]], [[1.0, 0.5, 0.3]]]),
+                                             head.calibration.shape)  # greedy, sampled maps
     drafts, probs, conf = jax.jit(lambda b: markov_drafts(
         head, base, normed, newest, b, jnp.array([5, 9, 13]), True))(batch)
     drafts, probs, conf = map(np.asarray, (drafts, probs, conf))
@@ -77,8 +78,10 @@ def test_each_draft_is_drawn_from_its_distribution_given_the_drafted_prefix():
                                                      batch.top_k, batch.top_p, batch.min_p), -1)
         changed += int(np.abs(np.asarray(unconditioned)[1:] - probs[1:, k]).max() > 0.05)
         z = np.asarray(head.confidence_logit(normed[:, k], e))
-        bias = np.where(np.asarray(batch.temperature) > 0, 0.5, 0.0)
-        np.testing.assert_allclose(conf[:, k], 1 / (1 + np.exp(-(z + bias))), rtol=1e-5)
+        u = np.asarray(jax.nn.log_softmax(logits, axis=-1).max(-1))
+        sampled = np.asarray(batch.temperature) > 0
+        logit = np.where(sampled, z + 0.5 + 0.3 * u, 1.2 * z - 0.2 * u)
+        np.testing.assert_allclose(conf[:, k], 1 / (1 + np.exp(-logit)), rtol=1e-5)
         previous = drafts[:, k]
     assert changed == K  # the Markov term matters at every depth of this head
 
@@ -123,7 +126,9 @@ def with_confidence(head: DSparkHead, confidence) -> DSparkHead:
     copy = nnx.merge(*nnx.split(head))
     copy.confidence[...] = jnp.zeros_like(copy.confidence[...])
     c = jnp.asarray(confidence, jnp.float32)
-    copy.calibration[...] = copy.calibration[...].at[:, :, 1].set(jnp.log(c / (1 - c)))
+    copy.calibration[...] = jnp.broadcast_to(
+        jnp.stack([jnp.zeros_like(c), jnp.log(c / (1 - c)), jnp.zeros_like(c)], -1)[None],
+        copy.calibration.shape)
     return copy
 
 

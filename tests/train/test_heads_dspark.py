@@ -89,20 +89,24 @@ def test_fit_platt_recovers_a_known_pair():
     scale, bias = fit_platt(z, p)                   # soft labels (the sampled rule's)
     assert scale == pytest.approx(1.7, abs=1e-3) and bias == pytest.approx(-0.6, abs=1e-3)
     assert np.isfinite(fit_platt(np.zeros(50), np.ones(50))).all()  # degenerate: stays finite
+    u = rng.standard_normal(z.size)                 # with the certainty feature
+    p = 1 / (1 + np.exp(-(1.7 * z - 0.6 + 0.9 * u)))
+    np.testing.assert_allclose(fit_platt(z, p, u), [1.7, -0.6, 0.9], atol=1e-3)
 
 
 def test_calibrate_fits_each_position_over_the_anchors_that_reach_it():
-    """Position k's pairs see only anchors whose depths 1..k-1 agreed; known pairs come back."""
+    """Position k's maps see only anchors whose depths 1..k-1 agreed; known maps come back."""
     rng = np.random.default_rng(1)
-    K, N, pairs = 2, 40000, [(2.0, 0.5), (0.8, -1.0)]
-    z = rng.standard_normal((K, N))
-    agree = np.stack([rng.random(N) < 1 / (1 + np.exp(-(s * z[k] + b)))
-                      for k, (s, b) in enumerate(pairs)])
-    tv = 1 - 1 / (1 + np.exp(-(1.5 * z + 0.2)))
-    table, fitted = calibrate({"agree": agree, "z": z, "tv": tv, "mask": np.ones(N, bool)}, K)
-    for k, (s, b) in enumerate(pairs):
-        np.testing.assert_allclose(table[GREEDY, k], [s, b], atol=0.1)
-        np.testing.assert_allclose(table[SAMPLED, k], [1.5, 0.2], atol=1e-2)
+    K, N, maps = 2, 40000, [(2.0, 0.5, 0.7), (0.8, -1.0, -0.4)]
+    z, u = rng.standard_normal((K, N)), rng.standard_normal((K, N))
+    agree = np.stack([rng.random(N) < 1 / (1 + np.exp(-(s * z[k] + b + g * u[k])))
+                      for k, (s, b, g) in enumerate(maps)])
+    tv = 1 - 1 / (1 + np.exp(-(1.5 * z + 0.2 + 0.3 * u)))
+    table, fitted = calibrate({"agree": agree, "z": z, "u": u, "tv": tv,
+                               "mask": np.ones(N, bool)}, K)
+    for k, m in enumerate(maps):
+        np.testing.assert_allclose(table[GREEDY, k], m, atol=0.1)
+        np.testing.assert_allclose(table[SAMPLED, k], [1.5, 0.2, 0.3], atol=1e-2)
     reached = agree[0]
     assert fitted["per_depth"][1]["measured_sampled"] == pytest.approx((1 - tv[1][reached]).mean())
 
@@ -110,7 +114,7 @@ def test_calibrate_fits_each_position_over_the_anchors_that_reach_it():
 def test_report_drafts_sequentially_and_calibration_matches_agreement(target):
     """The report feeds each draft into the next one's Markov term (brute force per anchor),
     and after fitting, the mean calibrated c at each position equals the measured conditional
-    agreement (the Platt bias makes the means match)."""
+    agreement (the fitted bias makes the means match)."""
     head = random_fill(new_head(DSPARK, target, 0), seed=4, scale=0.2)
     tokens = jnp.asarray(np.random.default_rng(3).integers(1, 64, (2, 10)), jnp.int32)
     batches = [{"tokens": tokens, "valid": jnp.ones_like(tokens, bool)}]

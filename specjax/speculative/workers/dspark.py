@@ -4,7 +4,8 @@ and a confidence head says how far to trust it (`specjax.models.dspark_head`).
 Per step: the accepted rows' context K/V and one bidirectional pass over [newest, mask x K],
 exactly as DFlash (`DFlashWorker`); then, for k = 1..K in a `lax.scan`, draft k is drawn from
 base_k + markov(x_{k-1}) (x_0 the newest token), adjusted and filtered as verification will
-be, and its confidence c_k from [its row; the Markov embedding of x_{k-1}].
+be, and its confidence c_k from [its row; the Markov embedding of x_{k-1}] and the drafter's
+certainty (its largest log-probability).
 
 Exactness. Draft k's distribution depends on the drafts before it, so the one handed to
 rejection sampling is the one it was drawn from, given that prefix; that is what the chain's
@@ -48,10 +49,11 @@ def markov_drafts(head: DSparkHead, base: jax.Array, normed: jax.Array, newest: 
     def one(carry, k):
         previous, before = carry
         e, markov = head.markov(previous)
-        draft, probs = draft_tokens_and_probs(base[:, k] + markov, batch, first + k,
-                                              with_probs, penalties, before, num_before=k)
+        logits = base[:, k] + markov
+        draft, probs = draft_tokens_and_probs(logits, batch, first + k, with_probs, penalties,
+                                              before, num_before=k)
         z = head.confidence_logit(normed[:, k], e)
-        c = head.calibrated(z, k, rule)
+        c = head.calibrated(z, head.certainty(logits), k, rule)
         return (draft, before.at[:, k].set(draft)), (probs, c)
 
     (_, drafts), (probs, conf) = jax.lax.scan(

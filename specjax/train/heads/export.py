@@ -78,7 +78,8 @@ def write_model_card(out: Path, spec: HeadSpec, args: argparse.Namespace, log: d
                 f"layer; the embeddings and LM head are the target's) plus a rank-"
                 f"{spec.markov_rank} Markov head (each draft's logits get a term of the token "
                 "before it, so the block is drafted one token at a time after the one pass) and "
-                "a confidence head with per-position Platt calibration (greedy and sampled)")
+                "a confidence head with a per-position logistic calibration of its logit and the "
+                "drafter's certainty (greedy and sampled)")
         files = (f"`config.json` + `model.safetensors` in the layout of "
                  f"`specjax.models.dflash_checkpoint`, architecture SpecjaxDSparkDrafter "
                  f"({log['save_dtype']}; the confidence head and its calibration float32)")
@@ -150,12 +151,14 @@ def write_model_card(out: Path, spec: HeadSpec, args: argparse.Namespace, log: d
         *([("DSpark drafts the block one token at a time (x_k = argmax(base_k + markov(x_{k-1})), "
             "x_0 the anchor), as the engine does; the confidence z_k reads the drafted x_{k-1}. "
             "Predicted c: the mean calibrated confidence (greedy rule) over the anchors that "
-            "reach depth k, against the measured conditional agreement; the per-position Platt "
-            "pairs were fitted on these same anchors (held-out |diff|: a two-fold cross-fit). "
+            "reach depth k, against the measured conditional agreement; the per-position maps "
+            "sigmoid(scale z + bias + gain u) (u: the drafter's largest log-probability) were "
+            "fitted on these same anchors (held-out |diff|: a two-fold cross-fit). "
             "1 - TV: the mean acceptance probability of rejection sampling at temperature 1 "
             "(the sampled rule's label), and the sampled pair's prediction of it. AUC: how well "
             "c ranks the drafts that agree above those that do not, over the same anchors "
-            "(0.5: no better than chance).\n")]
+            "(0.5: no better than chance); AUC of z alone: the confidence head's logit without "
+            "the certainty (the reference's head).\n")]
           if spec.kind == "dspark" else []),
         table,
         f"\n_Exported {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC._\n",

@@ -163,8 +163,8 @@ def format_report(report: dict, title: str = "") -> str:
     if confidence:  # DSpark: the calibrated confidence against what it predicts
         lines += ["| depth | top-1 agreement | conditional agreement | anchors reached | "
                   "predicted c | \\|predicted - measured\\| | held-out \\|diff\\| | "
-                  "1 - TV (measured) | predicted (sampled) | AUC |",
-                  "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                  "1 - TV (measured) | predicted (sampled) | AUC | AUC of z alone |",
+                  "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     else:
         lines += ["| depth | top-1 agreement | conditional agreement | anchors reached |",
                   "|---:|---:|---:|---:|"]
@@ -174,7 +174,7 @@ def format_report(report: dict, title: str = "") -> str:
         if confidence:
             row += (f" {d['predicted_confidence']:.3f} | {d['calibration_error']:.3f} | "
                     f"{d['held_out_calibration_error']:.3f} | {d['measured_sampled']:.3f} | "
-                    f"{d['predicted_sampled']:.3f} | {d['auc']:.3f} |")
+                    f"{d['predicted_sampled']:.3f} | {d['auc']:.3f} | {d['auc_z']:.3f} |")
         lines.append(row)
     lines.append(f"\nE[AL] = **{report['expected_acceptance_length']:.3f}** at depth "
                  f"{report['depth']} over {report['anchors']:,} validation anchors "
