@@ -94,8 +94,8 @@ def test_spec_help_names_the_methods_it_runs(capsys):
         main(["spec", "--help"])
     out = _flat(capsys.readouterr().out)
     modes = {c.mode.name for c in shipped_configs(4)}
-    assert len(modes) == 6  # every drafter for the bundled target is shipped in this checkout
-    for method in ("NGram", "draft-target", "EAGLE-3", "MTP", "PARD", "DFlash"):
+    assert len(modes) == 7  # every drafter for the bundled target is shipped in this checkout
+    for method in ("NGram", "draft-target", "EAGLE-3", "MTP", "PARD", "DFlash", "DSpark"):
         assert method in out
     assert "NGram and, if shipped, draft-target" not in out
 
