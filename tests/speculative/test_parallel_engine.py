@@ -51,14 +51,17 @@ def drafters(perm_target, tmp_path_factory):
 def llms(perm_target, drafters):
     """One warmed-up engine per drafter, built on first use. Strict matching: sampled rows
     then emit the target's own draws (rejection sampling is judged statistically on the
-    shipped drafters, `test_rejection_sampling_e2e`)."""
+    shipped drafters, `test_rejection_sampling_e2e`). The schedule pins full depth: these
+    tests check what a block does, and warm-up would otherwise turn on the cost model, whose
+    choices follow this machine's timings (`test_verify_lengths` tests them)."""
     target, _ = perm_target
     cache = {}
 
     def get(kind):
         if kind not in cache:
             cache[kind] = spec_llm(target, _config(kind, drafters[kind],
-                                                   use_rejection_sampling=False), warmup=True)
+                                                   use_rejection_sampling=False,
+                                                   draft_len_schedule={1: D}), warmup=True)
         return cache[kind]
 
     yield get

@@ -21,8 +21,11 @@ from tests.speculative.sa_engines import D, check_greedy, full_pool, make_llm
 
 @pytest.fixture(scope="module")
 def sa_llm(perm_target):
-    """SA alone, every shape compiled at the start; the pool full at the end."""
-    llm = make_llm(perm_target[0], SAConfig(max_draft_len=D), warmup=True)
+    """SA alone, every shape compiled at the start; the pool full at the end. Full depth
+    pinned: warm-up turns on the cost model, whose timing-dependent choices would leave the
+    full-depth checks to chance (`test_verify_lengths` tests the choices)."""
+    llm = make_llm(perm_target[0], SAConfig(max_draft_len=D, draft_len_schedule={1: D}),
+                   warmup=True)
     yield llm
     assert full_pool(llm)
 
