@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from specjax import DSparkConfig, LLM, SamplingParams
+from specjax import DSparkConfig
 from specjax.bench.sampling import (depth_groups, in_step_configs, judge_groups, make_llm,
                                     sample_and_tag, target_probs)
 from specjax.core.batch import empty_batch
@@ -26,14 +26,13 @@ from specjax.models.registry import BUNDLED_TARGET, CHECKPOINTS_DIR, load_model
 from specjax.speculative.config import SAEnhancerConfig
 from specjax.speculative.workers.dspark import markov_drafts
 from tests.conftest import TINY
+# The prompts, engine sizes, plain reference and fixed step costs of the cost model's tests.
+from tests.speculative.test_verify_lengths import (GREEDY, PROMPTS, _llm,  # noqa: F401
+                                                  plain_outputs, set_costs)
 
 DFLASH = CHECKPOINTS_DIR / "stdlib-dflash"
 pytestmark = pytest.mark.skipif(not (DFLASH / "config.json").exists(),
                                 reason="no bundled DFlash drafter")
-PROMPTS = ["def fibonacci(n):\n    ", "import os\nimport sys\n\ndef main():",
-           "class Stack:\n    def __init__(self):\n        self.items = []\n    def push(self",
-           "The history of the Roman Empire"]
-GREEDY = SamplingParams(max_tokens=40, ignore_eos=True)
 
 
 def tiny_head(markov_scale: float = 3.0, seed: int = 0) -> DSparkHead:
@@ -101,24 +100,6 @@ def dspark_head(target):
     head.markov_out[...] = 0.5 * jax.random.normal(jax.random.key(1), head.markov_out.shape)
     head.confidence[...] = 0.3 * jax.random.normal(jax.random.key(2), head.confidence.shape)
     return head
-
-
-def set_costs(llm: LLM, seconds) -> None:
-    """Every bucket's step of draft length d costs seconds(d); real timings never move it."""
-    engine = llm.engine
-    engine.costs = CostTable({(b, d + 1): seconds(d) for b in engine.executor.decode_buckets
-                              for d in engine.candidates})
-
-
-def _llm(spec, **kw):
-    kw = {**dict(max_batch_size=4, batch_sizes=(4,), max_model_len=128, prefill_chunk=16,
-                 progress=False), **kw}
-    return LLM(str(CHECKPOINTS_DIR / BUNDLED_TARGET), speculative_config=spec, **kw)
-
-
-@pytest.fixture(scope="module")
-def plain_outputs():
-    return [o.token_ids for o in _llm(None).generate(PROMPTS, GREEDY)]
 
 
 def with_confidence(head: DSparkHead, confidence) -> DSparkHead:
