@@ -50,6 +50,9 @@ HYBRID_GREEDY = tuple(f"{HYBRID}::test_greedy_spec_equals_plain_greedy[{setup}]"
 # scheduling (a Markov term strong enough for the statistic to see a q without it).
 E2E_DSPARK = ("tests/speculative/test_dspark.py::"
               "test_sampled_tokens_follow_the_target_under_confidence_scheduling",)
+TREE_UNIT = tuple("tests/core/test_tree.py::test_sampled_tree_tokens_follow_the_target_at_every_"
+                  f"depth_and_sibling[{case}]" for case in ("1.0-0", "0.7-3"))
+TREE_E2E = (f"{E2E}::test_tree_tokens_follow_the_target_at_every_depth_and_sibling",)
 LEDGER = tuple(f"tests/engine/test_kv_ledger.py::test_randomized_kv_ledger_with_overlap[{setup}]"
                for setup in ("draft_target", "mtp"))
 
@@ -110,6 +113,32 @@ MUTANTS = [
            "        return (draft, before.at[:, k].set(draft)), (draft_tokens_and_probs("
            "base[:, k], batch, first + k, with_probs, penalties, before, num_before=k)[1], c)",
            E2E_DSPARK),
+    # Sampled trees: siblings drawn without replacement, recursive rejection sampling.
+    Mutant("tree_q_keeps_rejected",
+           "siblings drawn without replacement but judged as with (q keeps a rejected sibling)",
+           "specjax/core/tree.py",
+           "            q_cur = jnp.where(reject, q_left / jnp.maximum(left, 1e-30), q_cur)",
+           "            q_cur = q_cur",
+           TREE_UNIT + TREE_E2E),
+    Mutant("tree_residual_not_renormalised", "the residual after a rejected sibling not renormalised",
+           "specjax/core/tree.py",
+           "residual / jnp.maximum(mass, 1e-30), p_cur)",
+           "residual, p_cur)",
+           TREE_UNIT + TREE_E2E),
+    Mutant("tree_siblings_with_replacement",
+           "siblings drawn with replacement (independently) but judged as without",
+           "specjax/speculative/workers/tree.py",
+           "        _, ids = jax.lax.top_k(perturbed, top_k)",
+           "        ids = jnp.argmax(jnp.where(rows[..., None], logq[..., None, :] + entry_noise("
+           "keys[..., None] ^ jnp.arange(1, top_k + 1, dtype=jnp.uint32), V), "
+           "logp[..., None, :]), axis=-1)",
+           TREE_UNIT + TREE_E2E),
+    Mutant("tree_keeps_siblings_by_their_own_draw",
+           "a sampled tree keeps the children whose own draws are likely (log q(x) scores)",
+           "specjax/speculative/workers/tree.py",
+           "inc = jnp.where(q_ids > 0, sibling_values(top_k), -jnp.inf)",
+           "inc = jnp.log(jnp.maximum(q_ids, 1e-30))",
+           TREE_UNIT + TREE_E2E),
     # Bugs the greedy tests only see with drafts both accepted and rejected, stops inside an
     # accepted run, and steps in flight.
     Mutant("strict_accept_counts_matches", "a draft matching after a mismatch counted accepted",

@@ -1,9 +1,9 @@
-"""`python -m specjax.bench decode|spec|verify|sampling|serving|cpu|tp|structured ...`: benchmarks that print their figures,
+"""`python -m specjax.bench decode|spec|verify|sampling|trees|serving|cpu|tp|structured ...`: benchmarks that print their figures,
 each table followed by a legend of its columns. `python -m specjax.bench COMMAND --help` says
 what one measures and its options."""
 import argparse
 
-from specjax.bench import cpu, decode, sampling, serving, spec, structured, tp, verify
+from specjax.bench import cpu, decode, sampling, serving, spec, structured, tp, trees, verify
 from specjax.cli import HelpFormatter
 
 EPILOG = """\
@@ -28,7 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 MODULES = {"decode": decode, "spec": spec, "verify": verify, "sampling": sampling,
-           "serving": serving,
+           "trees": trees, "serving": serving,
            "cpu": cpu, "tp": tp, "structured": structured}
 
 

@@ -79,18 +79,26 @@ class Decided:
     sequences: list[list[int]]
 
 
-def sample_and_tag(llm: LLM, D: int, n: int, max_tokens: int, temperature: float,
-                   seed_offset: int, prompt: str | list[int] = PROMPT) -> Decided:
-    """Sample `n` sequences of `max_tokens` tokens at `temperature` after `prompt` (text, or
-    token ids for a model without a tokenizer), driving the engine step by step, and tag
-    every generated token with the depth that decided it."""
+def _add_seeded(llm: LLM, n: int, max_tokens: int, temperature: float, seed_offset: int,
+                prompt: str | list[int]) -> list:
+    """`n` requests of `prompt` with seeds seed_offset + i, added to an engine whose steps are
+    read before the next is dispatched (the drafts the next step verifies are read in between)."""
     engine = llm.engine
     if engine.overlap:
         raise ValueError("tagging needs overlap_scheduler=False (drafts read after each step)")
     ids = llm.encode(prompt) if isinstance(prompt, str) else list(prompt)
     params = [SamplingParams(max_tokens=max_tokens, temperature=temperature,
                              seed=seed_offset + i, ignore_eos=True) for i in range(n)]
-    requests = [engine.requests[engine.add_request(ids, p)] for p in params]
+    return [engine.requests[engine.add_request(ids, p)] for p in params]
+
+
+def sample_and_tag(llm: LLM, D: int, n: int, max_tokens: int, temperature: float,
+                   seed_offset: int, prompt: str | list[int] = PROMPT) -> Decided:
+    """Sample `n` sequences of `max_tokens` tokens at `temperature` after `prompt` (text, or
+    token ids for a model without a tokenizer), driving the engine step by step, and tag
+    every generated token with the depth that decided it."""
+    engine = llm.engine
+    requests = _add_seeded(llm, n, max_tokens, temperature, seed_offset, prompt)
     pending = {}  # request index -> (drafts, q `[d, V]`) to be verified by its next step
     cols = {k: [] for k in ("seq", "pos", "kind", "depth", "full_chain", "draft")}
     qs = []
@@ -180,8 +188,19 @@ def chi_square_exact(P: np.ndarray, observed: np.ndarray) -> tuple[float, int, f
         return 0.0, 0, float("inf")
     d = (O - E)[:-1]
     S = np.diag(E[:-1]) - M[:, :-1].T @ M[:, :-1]
-    stat = float(d @ np.linalg.solve(S, d))
-    df = len(groups) - 1
+    # S is singular when some combination of the counts cannot vary (e.g. every observation
+    # certain of one category): exactness makes that combination of O - E zero, so any other
+    # value is an infinite statistic; the rest is chi-square with rank(S) degrees of freedom.
+    w, U = np.linalg.eigh(S)
+    varies = w > 1e-9 * max(w.max(), 1.0)
+    z = U.T @ d
+    if np.any(np.abs(z[~varies]) > 1e-6):
+        stat = float("inf")
+    else:
+        stat = float(np.sum(z[varies] ** 2 / w[varies]))
+    df = int(varies.sum())
+    if df == 0:
+        return stat if stat == float("inf") else 0.0, 0, float("inf")
     return stat, df, critical_value(df)
 
 
@@ -274,3 +293,161 @@ def run(args: argparse.Namespace) -> None:
         rejection = acceptance_rate(llm, 16, 32)
         print(f"acceptance at temperature 1 (16 requests x 32 tokens): rejection sampling "
               f"{rejection:.1%}, strict matching {strict:.1%}")
+
+
+# ---- draft trees: recursive rejection sampling over siblings drawn without replacement ----
+
+@dataclasses.dataclass
+class TreeDecided:
+    """Generated tokens of sampled tree steps, one entry per (token, sibling reached): the
+    token at depth k of its step was decided after its node's siblings 1..i-1 were rejected.
+    Under exactness it follows p_i, the residual the rejections leave (`residuals`)."""
+
+    seq: np.ndarray         # [n] which sequence
+    pos: np.ndarray         # [n] index of the token in prompt + output
+    depth: np.ndarray       # [n] k: the token's depth in its step's emission (1-based)
+    sibling: np.ndarray     # [n] i: the sibling the decision reached (1-based; a node with
+                            # i - 1 children: the correction or bonus after all of them)
+    rejected: list          # [n] the tokens of siblings 1..i-1
+    q: list                 # [n] the distribution the node's children were drawn from, or None
+    draft: np.ndarray       # [n] sibling i's token (-1 past the node's last child)
+    sequences: list[list[int]]
+
+
+def tree_path(tokens: list[int], parents: list[int], emitted: list[int], max_depth: int
+              ) -> list[list[int]]:
+    """One tree step: the run's tokens `[1+T]` (root first), parents `[T]`, the tokens the
+    step emitted -> for each emitted token, the rows of its node's children in the order they
+    were drawn (children deeper than `max_depth` are not part of the tree). Every emitted
+    token but the last is one of them: the child accepted."""
+    par = [-1] + list(parents)
+    depth = [0] * len(par)
+    for r in range(1, len(par)):
+        depth[r] = depth[par[r]] + 1 if 0 <= par[r] < r else max_depth + 1
+    node, out = 0, []
+    for k, token in enumerate(emitted):
+        kids = [r for r in range(1, len(par)) if par[r] == node and depth[r] <= max_depth]
+        out.append(kids)
+        if k == len(emitted) - 1:
+            break
+        node = next((r for r in kids if tokens[r] == token), None)
+        if node is None:
+            raise AssertionError(f"emitted token {k} ({token}) is no child of its node")
+    return out
+
+
+def residuals(p: np.ndarray, q: np.ndarray | None, rejected: list[int]) -> np.ndarray:
+    """p after rejecting `rejected` (in order) with children drawn without replacement from
+    q: p <- normalise(max(0, p - q)), q <- q without the rejected token, renormalised (float64;
+    p itself when a residual has no mass)."""
+    p = np.asarray(p, np.float64)
+    if q is None:
+        return p
+    q = np.asarray(q, np.float64).copy()
+    for token in rejected:
+        r = np.maximum(p - q / q.sum(), 0.0)
+        p = r / r.sum() if r.sum() > 0 else p
+        q[token] = 0.0
+    return p
+
+
+class TreeTagger:
+    """Collects `TreeDecided` entries step by step."""
+
+    def __init__(self):
+        self.cols = {k: [] for k in ("seq", "pos", "depth", "sibling", "draft")}
+        self.rejected, self.q = [], []
+
+    def add(self, seq: int, first_pos: int, tokens: list[int], parents: list[int],
+            q: np.ndarray | None, emitted: list[int], max_depth: int) -> None:
+        """One step of sequence `seq`: the tree it verified (run tokens `[1+T]`, parents, the
+        nodes' distributions `[T, V]`; no drafts: `[root]`, [], None), the tokens it emitted
+        from position `first_pos` on, the deepest node that could be accepted."""
+        for k, (token, kids) in enumerate(zip(emitted, tree_path(tokens, parents, emitted,
+                                                                  max_depth))):
+            # Children drawn after the support ran out (q = 0) are skipped, not rejected.
+            drawn = [tokens[c] for c in kids if q is not None and q[c - 1][tokens[c]] > 0]
+            stop = drawn.index(token) + 1 if k < len(emitted) - 1 else len(drawn) + 1
+            for i in range(1, stop + 1):
+                for key, value in (("seq", seq), ("pos", first_pos + k), ("depth", k + 1),
+                                   ("sibling", i),
+                                   ("draft", drawn[i - 1] if i <= len(drawn) else -1)):
+                    self.cols[key].append(value)
+                self.rejected.append(drawn[:i - 1])
+                self.q.append(q[kids[0] - 1] if kids and q is not None else None)
+
+    def done(self, sequences: list[list[int]]) -> TreeDecided:
+        return TreeDecided(**{k: np.asarray(v) for k, v in self.cols.items()},
+                           rejected=self.rejected, q=self.q, sequences=sequences)
+
+
+def sample_and_tag_tree(llm: LLM, n: int, max_tokens: int, temperature: float,
+                        seed_offset: int, prompt: str | list[int] = PROMPT) -> TreeDecided:
+    """Sample `n` sequences from an engine drafting trees at full depth, step by step, and tag
+    every generated token with the siblings its decision reached (`TreeDecided`)."""
+    engine = llm.engine
+    requests = _add_seeded(llm, n, max_tokens, temperature, seed_offset, prompt)
+    D = engine.speculation.worker.tree.max_depth
+    pending = {}  # request index -> (run tokens, parents, q `[T, V]`) its next step verifies
+    tagger = TreeTagger()
+    preemptions = engine.stats.num_preemptions
+    while engine.has_unfinished():
+        before = [len(r.output_ids) for r in requests]
+        engine.step()
+        slots = engine.executor.state.slots
+        runs, num, parents = (np.asarray(slots.run), np.asarray(slots.num_drafts),
+                              np.asarray(slots.tree_parents))
+        probs = np.asarray(slots.draft_probs)
+        for i, r in enumerate(requests):
+            emitted = r.output_ids[before[i]:]
+            if emitted:
+                tokens, par, q = pending.pop(i, ([0], [], None))
+                tagger.add(i, len(r.prompt_ids) + before[i], tokens, par, q, emitted,
+                           min(D, max_tokens - before[i] - 1))
+            if r.finish_reason is None and r.slot is not None and num[r.slot]:
+                T = int(num[r.slot])
+                pending[i] = (runs[r.slot, :1 + T].tolist(), parents[r.slot, :T].tolist(),
+                              probs[r.slot, :T].copy())
+    if engine.stats.num_preemptions != preemptions:
+        raise AssertionError("a request was preempted: size the KV pool for the whole batch")
+    if any(len(r.output_ids) != max_tokens for r in requests):
+        raise AssertionError("a sequence finished early")
+    return tagger.done([r.prompt_ids + r.output_ids for r in requests])
+
+
+def tree_groups(tags: TreeDecided) -> dict[str, np.ndarray]:
+    """Index sets per (depth k, sibling reached i)."""
+    keys = sorted(set(zip(tags.depth.tolist(), tags.sibling.tolist())))
+    return {f"depth {k}, sibling {i}": np.flatnonzero((tags.depth == k) & (tags.sibling == i))
+            for k, i in keys}
+
+
+def judge_tree_groups(tags: TreeDecided, p: np.ndarray, drafted: bool = False,
+                      min_count: int = 1) -> list[GroupResult]:
+    """The statistic per (depth, sibling) group with at least `min_count` tokens: each token
+    against its residual p_i, categories rank under p_i x (p_i > q_i). `drafted`: judge
+    sibling i's own token instead (drawn from q_i, not p_i) -- the power check, which must
+    fail."""
+    results = []
+    V = p.shape[-1]
+    for name, idx in tree_groups(tags).items():
+        if drafted:
+            idx = idx[tags.draft[idx] >= 0]
+        if len(idx) < min_count:
+            continue
+        P_rows, Q_rows, tokens = [], [], []
+        for j in idx:
+            s, t = tags.seq[j], tags.pos[j]
+            q = tags.q[j]
+            P_rows.append(residuals(p[s, t - 1], q, tags.rejected[j]))
+            if q is None:
+                Q_rows.append(np.zeros(V))
+            else:
+                q_left = np.asarray(q, np.float64).copy()
+                q_left[tags.rejected[j]] = 0.0
+                Q_rows.append(q_left / max(q_left.sum(), 1e-300))
+            tokens.append(tags.draft[j] if drafted else tags.sequences[s][t])
+        P, obs = categorise(np.stack(P_rows), np.stack(Q_rows), np.asarray(tokens))
+        stat, df, crit = chi_square_exact(P, obs)
+        results.append(GroupResult(name, len(idx), stat, df, crit))
+    return results

@@ -43,6 +43,17 @@ def strict_accept(drafts: jax.Array, draft_lens: jax.Array,
     return targets, accepted + 1
 
 
+def target_distributions(logits: jax.Array, batch) -> jax.Array:
+    """logits `[B, W, V]` -> the target's distributions `[B, W, V]` filtered with each row's
+    parameters (`filter_logits`), exactly as the draft side's: what rejection sampling
+    compares the drafts' distributions with."""
+    B, W, V = logits.shape
+    rep = lambda x: jnp.repeat(x, W)  # noqa: E731
+    filtered = filter_logits(logits.reshape(B * W, V), rep(batch.temperature), rep(batch.top_k),
+                             rep(batch.top_p), rep(batch.min_p))
+    return jax.nn.softmax(filtered, axis=-1).reshape(B, W, V)
+
+
 def rejection_accept(logits: jax.Array, batch, drafts: jax.Array, draft_lens: jax.Array,
                      draft_probs: jax.Array, strict_tokens: jax.Array,
                      strict_lens: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -57,12 +68,9 @@ def rejection_accept(logits: jax.Array, batch, drafts: jax.Array, draft_lens: ja
     sampled = batch.temperature > 0
 
     def accept():
-        rep = lambda x: jnp.repeat(x, W)
-        filtered = filter_logits(logits.reshape(B * W, V), rep(batch.temperature),
-                                 rep(batch.top_k), rep(batch.top_p), rep(batch.min_p))
-        target_probs = jax.nn.softmax(filtered, axis=-1).reshape(B, W, V)
         tokens, emitted = chain_speculative_sampling(
-            draft_probs, drafts, target_probs, batch.seeds, batch.start_pos + 1, draft_lens)
+            draft_probs, drafts, target_distributions(logits, batch), batch.seeds,
+            batch.start_pos + 1, draft_lens)
         return (jnp.where(sampled[:, None], jnp.maximum(tokens, 0), strict_tokens),
                 jnp.where(sampled, emitted, strict_lens))
 

@@ -89,10 +89,15 @@ def sampling_keys(seeds: jax.Array, positions: jax.Array, stream: int = TARGET_S
 def categorical(keys: jax.Array, logits: jax.Array) -> jax.Array:
     """One draw per row from softmax(logits `[B, V]`) (-inf: never) with keys `[B]` ->
     `[B]` int32: the Gumbel-max of the logits with uniforms hashed from (key, entry)."""
-    V = logits.shape[-1]
+    return jnp.argmax(logits + entry_noise(keys, logits.shape[-1]), axis=-1).astype(jnp.int32)
+
+
+def entry_noise(keys: jax.Array, V: int) -> jax.Array:
+    """keys `[...]` uint32 -> standard Gumbel noise `[..., V]`, one hashed uniform per
+    (key, vocabulary entry). The top k of logits + noise are k draws without replacement
+    (Gumbel-top-k), in the order drawn."""
     entry = jnp.arange(V, dtype=jnp.uint32) * jnp.uint32(0x9E3779B9)
-    bits = mix32(keys.astype(jnp.uint32)[:, None] ^ mix32(entry))
-    return jnp.argmax(logits + gumbel_noise(bits), axis=-1).astype(jnp.int32)
+    return gumbel_noise(mix32(keys.astype(jnp.uint32)[..., None] ^ mix32(entry)))
 
 
 def gumbel_noise(bits: jax.Array) -> jax.Array:

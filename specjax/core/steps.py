@@ -29,7 +29,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from specjax.core import aux_state
-from specjax.core.accept import rejection_accept, strict_accept, target_tokens
+from specjax.core.accept import (rejection_accept, strict_accept, target_distributions,
+                                 target_tokens)
 from specjax.core.batch import GenerationOutput, PrefillOutput, StepBatch
 from specjax.core.forward import last_rows, paged_forward
 from specjax.core.logits import apply_bias, apply_token_mask, mask_bits, maybe_logprobs
@@ -38,7 +39,7 @@ from specjax.core.sampling import sample, sampling_keys
 from specjax.core.sharding import TensorParallel
 from specjax.core.state import EngineState, Params, SlotState, write_slots
 from specjax.core.suffix import SuffixSpec, SuffixState, prefer, propose, record, retire
-from specjax.core.tree import relocate_path, tree_accept, tree_layout
+from specjax.core.tree import relocate_path, tree_accept, tree_layout, tree_rejection_accept
 from specjax.core.worker import Drafts, DraftWorker, tree_of
 
 
@@ -192,19 +193,27 @@ def make_prefill_step(graphdef: nnx.GraphDef, worker: DraftWorker | None = None,
     return _jit(prefill, tp)
 
 
+def rejection_rows(batch: StepBatch, slots: SlotState) -> tuple[bool, jax.Array]:
+    """(whether the step can accept by rejection sampling at all -- decided by shapes:
+    without draft distributions acceptance fails closed to strict --, the rows it decides
+    `[B]`: sampled rows whose drafts came with a distribution, not SA's (`strict`) nor the
+    host's)."""
+    rejection = slots.draft_probs is not None and batch.tokens.shape[1] > 1
+    rows = batch.temperature > 0 if rejection else jnp.zeros(batch.slots.shape, bool)
+    if rejection and slots.strict is not None:
+        rows = rows & ~slots.strict[batch.slots]
+    if rejection and batch.host_runs is not None:
+        rows = rows & ~batch.host_runs
+    return rejection, rows
+
+
 def accept_chain(logits: jax.Array, batch: StepBatch, slots: SlotState
                  ) -> tuple[jax.Array, jax.Array]:
     """A chain's acceptance: strict matching against the target's tokens, and rejection
-    sampling for every sampled row whose drafts came with a distribution (not SA's, `strict`,
-    nor the host's) -> (new_tokens `[B, D+1]`, lens `[B]` = accepted + 1)."""
+    sampling for the rows `rejection_rows` picks -> (new_tokens `[B, D+1]`, lens `[B]` =
+    accepted + 1)."""
     D = batch.tokens.shape[1] - 1
-    # Decided by shapes: without draft distributions acceptance fails closed to strict.
-    rejection = slots.draft_probs is not None and D > 0
-    by_rejection = batch.temperature > 0 if rejection else jnp.zeros(batch.slots.shape, bool)
-    if rejection and slots.strict is not None:
-        by_rejection = by_rejection & ~slots.strict[batch.slots]
-    if rejection and batch.host_runs is not None:
-        by_rejection = by_rejection & ~batch.host_runs
+    rejection, by_rejection = rejection_rows(batch, slots)
     # Rows rejection sampling decides need no strict sample.
     strict_temperature = jnp.where(by_rejection, 0.0, batch.temperature)
     positions = batch.start_pos[:, None] + jnp.arange(D + 1)
@@ -217,6 +226,33 @@ def accept_chain(logits: jax.Array, batch: StepBatch, slots: SlotState
             logits, batch.replace(temperature=jnp.where(by_rejection, batch.temperature, 0.0)),
             drafts_in, draft_lens, slots.draft_probs[batch.slots, :D], new_tokens, lens)
     return new_tokens, lens
+
+
+def accept_tree(logits: jax.Array, batch: StepBatch, slots: SlotState, parents: jax.Array,
+                layout, depth: int, top_k: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """A tree's acceptance: the walk that accepts a child holding the target's own token
+    (`tree_accept`), and for the rows `rejection_rows` picks, recursive rejection sampling over
+    siblings drawn without replacement (`tree_rejection_accept`) -> (new_tokens
+    `[B, depth+1]`, lens `[B]`, path `[B, depth+1]`)."""
+    rejection, by_rejection = rejection_rows(batch, slots)
+    positions = batch.start_pos[:, None] + layout.depths
+    targets = target_tokens(logits, positions, jnp.where(by_rejection, 0.0, batch.temperature),
+                            batch.top_k, batch.top_p, batch.min_p, batch.seeds)
+    walked = tree_accept(batch.tokens, parents, layout, targets, depth)
+    if not rejection:
+        return walked
+    B, W, _ = logits.shape
+    T = W - 1
+
+    def sampled():
+        drawn = tree_rejection_accept(batch.tokens, parents, layout,
+                                      target_distributions(logits, batch),
+                                      slots.draft_probs[batch.slots, :T], batch.seeds,
+                                      batch.start_pos, depth, top_k)
+        return jax.tree.map(lambda r, w: jnp.where(
+            by_rejection.reshape(B, *([1] * (r.ndim - 1))), r, w), drawn, walked)
+
+    return jax.lax.cond(jnp.any(by_rejection), sampled, lambda: walked)
 
 
 @functools.lru_cache(maxsize=None)  # engines over one model share compiled steps
@@ -268,10 +304,8 @@ def make_generation_step(graphdef: nnx.GraphDef, worker: DraftWorker | None = No
             new_tokens, lens = accept_chain(logits, batch, state.slots)
             verified, emitted_raw = batch.query_lens - 1, lambda: raw
         else:
-            positions = batch.start_pos[:, None] + layout.depths
-            targets = target_tokens(logits, positions, batch.temperature, batch.top_k,
-                                    batch.top_p, batch.min_p, batch.seeds)
-            new_tokens, lens, path = tree_accept(batch.tokens, verified_parents, layout, targets, D)
+            new_tokens, lens, path = accept_tree(logits, batch, state.slots, verified_parents,
+                                                 layout, D, tree.top_k)
             kv_target = relocate_path(kv_target, batch.start_pos, batch.block_tables, path,
                                       jnp.where(real, lens - 1, 0))
             # The worker reads the accepted rows' hidden states in sequence order, as after

@@ -1,5 +1,6 @@
-"""Draft trees on the device: their static shape, their layout in a run, the greedy walk that
-accepts a path, and the relocation of that path's K/V to linear positions.
+"""Draft trees on the device: their static shape, their layout in a run, the walk and the
+recursive rejection sampling that accept a path, and the relocation of that path's K/V to
+linear positions.
 
 A tree of T nodes rides in a run of 1 + T rows: row 0 is the root (the request's newest token),
 rows 1..T the nodes, every parent before its children; `parents` `[B, T]` holds each node's
@@ -7,11 +8,14 @@ parent row (0 = the root). Row i's K/V are written to pool slot start + i while 
 (RoPE, and the key its sampled token is drawn with) is start + depth_i; attention lets each
 row see the committed context, its ancestors and itself (the paged attention's `tree_mask`).
 
-Acceptance walks from the root: at each depth the target's token at the current node (drawn
-exactly as plain decoding would draw the token at that position: argmax, or the request's key
-for it) is looked up among the node's children; a match descends, no match stops. Every
-emitted token is the target's own choice given the accepted prefix, so greedy and seeded
-sampled output equal plain decoding token for token, whatever the tree holds.
+Acceptance walks from the root. Greedy rows (and sampled rows without rejection sampling):
+at each depth the target's token at the current node (drawn exactly as plain decoding would
+draw the token at that position: argmax, or the request's key for it) is looked up among the
+node's children; a match descends, no match stops (`tree_accept`). Every emitted token is the
+target's own choice given the accepted prefix, so greedy and seeded sampled output equal
+plain decoding token for token, whatever the tree holds. Sampled rows whose siblings were
+drawn without replacement from the drafter: recursive rejection sampling
+(`tree_rejection_accept`), whose output follows the target's distribution.
 """
 from __future__ import annotations
 
@@ -23,6 +27,9 @@ from flax import struct
 from jax.sharding import PartitionSpec as P
 
 from pallas_kernels.kv_gather import relocate_kv
+from pallas_kernels.rejection_sampling import mix32
+from pallas_kernels.rejection_sampling.reference import (ACCEPT_STREAM, RESIDUAL_STREAM,
+                                                         counter_uniform, sample_inverse_cdf)
 from pallas_kernels.paged_attention.reference import TREE_MAX_NODES
 from specjax.core.kv import KVPool
 from specjax.core.sharding import POOL, heads_local
@@ -117,6 +124,87 @@ def tree_accept(tokens: jax.Array, parents: jax.Array, layout: TreeLayout, targe
     path = jnp.stack(path, axis=1)
     accepted = jnp.sum(path[:, 1:] != path[:, :-1], axis=1)
     return jnp.take_along_axis(targets, path, axis=1), accepted + 1, path
+
+
+def tree_rejection_accept(tokens: jax.Array, parents: jax.Array, layout: TreeLayout,
+                          target_probs: jax.Array, draft_probs: jax.Array, seeds: jax.Array,
+                          start_pos: jax.Array, depth: int, top_k: int
+                          ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Recursive rejection sampling down a tree whose siblings were drawn without replacement
+    (Jeon et al. 2024): the emitted tokens follow the target's distribution.
+
+    tokens `[B, 1+T]` (the run), parents `[B, T]`, target_probs `[B, 1+T, V]` (the target's
+    filtered distribution after each row), draft_probs `[B, T, V]` (the distribution node i
+    was drawn from: its parent's q, before any sibling was removed), seeds `[B]`, start_pos
+    `[B]` (the root's position) -> (new_tokens `[B, depth+1]`, lens `[B]` = accepted + 1,
+    path `[B, depth+1]`) as `tree_accept`.
+
+    At the current node, with p its target distribution and q its children's: child j
+    (in the order drawn) is accepted with probability min(1, p(x_j) / q(x_j)); on rejection
+    p <- normalise(max(0, p - q)) and q <- q without x_j, renormalised (the distribution the
+    next sibling was drawn from). An accepted child becomes the node (its own p, its children's
+    q); when no child is accepted -- or the node has none -- the token comes from p as it
+    then stands. Why it is exact: by induction over the siblings, given the siblings tried so
+    far were rejected, "accept x_j ~ q_j with min(1, p_j/q_j), else continue from p_{j+1}"
+    emits p_j exactly -- the chain's argument with (p_j, q_j) in place of (p, q) -- provided
+    x_j is a draw from q_j given the past and whether child j exists depends only on the past
+    (`specjax.speculative.workers.tree`). A rejected x_j has p_j(x_j) < q_j(x_j), so p_{j+1}
+    gives it no mass, consistent with q_{j+1} leaving it out. Each level then emits
+    p(. | accepted prefix), the next level starts from the accepted child's own distributions,
+    and the bonus after the deepest accepted node is a plain draw from its p.
+
+    Uniforms: sibling j at the node's position draws from the chain's accept stream with the
+    seed salted by j (j = 0 is the chain's own uniform), the final token from the chain's
+    residual stream at its position."""
+    B, R, V = target_probs.shape
+    par = jnp.concatenate([jnp.full((B, 1), -1, jnp.int32), parents.astype(jnp.int32)], axis=1)
+    rows = jnp.arange(B)
+    q_rows = jnp.concatenate([jnp.zeros((B, 1, V), draft_probs.dtype), draft_probs], axis=1)
+
+    def children_q(node):  # the distribution node's children were drawn from (any child's)
+        first = jnp.argmax((par == node[:, None]) & layout.valid, axis=1)
+        return q_rows[rows, first].astype(jnp.float32)
+
+    node = jnp.zeros((B,), jnp.int32)
+    going = jnp.ones((B,), bool)
+    p_cur = target_probs[:, 0].astype(jnp.float32)
+    q_cur = children_q(node)
+    path = [node]
+    for level in range(depth):
+        children = (par == node[:, None]) & layout.valid                   # [B, 1+T]
+        rank = jnp.cumsum(children, axis=1) - 1
+        position = start_pos + level + 1
+        found = jnp.zeros((B,), bool)
+        for j in range(top_k):
+            pick = children & (rank == j)
+            child = jnp.argmax(pick, axis=1)
+            token = tokens[rows, child]
+            q_x, p_x = q_cur[rows, token], p_cur[rows, token]
+            u = counter_uniform(seeds ^ mix32(jnp.uint32(j)), position, ACCEPT_STREAM)
+            # q = 0: drawn after the support ran out (not a draw: skipped).
+            tried = going & ~found & jnp.any(pick, axis=1) & (q_x > 0)
+            accept = tried & (u * q_x < p_x)
+            reject = (tried & ~accept)[:, None]
+            residual = jnp.maximum(p_cur - q_cur, 0.0)
+            mass = jnp.sum(residual, axis=1, keepdims=True)
+            p_cur = jnp.where(reject & (mass > 0), residual / jnp.maximum(mass, 1e-30), p_cur)
+            q_left = q_cur.at[rows, token].set(0.0)
+            left = jnp.sum(q_left, axis=1, keepdims=True)
+            q_cur = jnp.where(reject, q_left / jnp.maximum(left, 1e-30), q_cur)
+            node = jnp.where(accept, child.astype(jnp.int32), node)
+            found = found | accept
+        going = going & found
+        p_cur = jnp.where(found[:, None], target_probs[rows, node].astype(jnp.float32), p_cur)
+        q_cur = jnp.where(found[:, None], children_q(node), q_cur)
+        path.append(node)
+    path = jnp.stack(path, axis=1)
+    accepted = jnp.sum(path[:, 1:] != path[:, :-1], axis=1)
+    last = sample_inverse_cdf(p_cur, counter_uniform(seeds, start_pos + 1 + accepted,
+                                                     RESIDUAL_STREAM))
+    new_tokens = jnp.take_along_axis(tokens, path, axis=1)[:, 1:]
+    new_tokens = jnp.concatenate([new_tokens, jnp.zeros((B, 1), jnp.int32)], axis=1)
+    new_tokens = jnp.where(jnp.arange(depth + 1) == accepted[:, None], last[:, None], new_tokens)
+    return new_tokens.astype(jnp.int32), accepted + 1, path
 
 
 def relocate_path(pool: KVPool, start_pos: jax.Array, block_tables: jax.Array, path: jax.Array,

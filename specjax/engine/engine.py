@@ -149,12 +149,11 @@ class Engine:
     def _length_decides_output(self, request: Request) -> bool:
         """Whether this request's tokens depend on the draft lengths its steps verify: a
         sampled request that names its seed (its text must repeat), accepted by rejection
-        sampling along a chain (the draws consumed depend on where chains start). Strict
-        matching and trees emit the target's own (seed, position) draws at any length."""
+        sampling along a chain or down a tree (the draws consumed depend on where steps
+        start). Strict matching emits the target's own (seed, position) draws at any length."""
         spec = self.speculation
         return (request.params.seed is not None and request.params.temperature > 0
-                and bool(spec.config.use_rejection_sampling) and spec.tree is None
-                and spec.worker is not None)
+                and bool(spec.config.use_rejection_sampling) and spec.worker is not None)
 
     def step_costs(self, batch_size: int) -> dict[int, float]:
         """draft length -> measured seconds of its step, for the bucket of this batch size

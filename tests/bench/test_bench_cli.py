@@ -328,8 +328,7 @@ def test_spec_runs_sa_and_eagle3_with_sa_and_trees_beside_the_chain_by_default()
         "eagle3_one_model D=4 (bundled-eagle3) + SA (threshold 4)",
         "eagle3_one_model D=4 tree K=2 T=8 (bundled-eagle3)",
         "eagle3_one_model D=4 tree K=4 T=16 (bundled-eagle3)"]
-    assert [c.use_rejection_sampling for c in configs[chain:chain + 4]] == [True, True, False,
-                                                                          False]
+    assert [c.use_rejection_sampling for c in configs[chain:chain + 4]] == [True] * 4
     assert spec.drafter_passes(configs[chain + 1]) == 4
     # K * D capped at the 31 nodes a tree mask holds.
     assert max(c.total_draft_tokens for c in spec.default_configs(8)
@@ -359,3 +358,15 @@ def test_structured_prints_both_methods_and_the_mask_share(capsys):
     # constrained tok/s, AL and the mask share are figures, not blanks
     assert all(row.split()[-1].endswith("%") for row in rows), out
     assert "speedup of EAGLE-3 over plain" in out
+
+
+def test_trees_compares_the_chain_with_both_tree_acceptances():
+    from specjax.bench import trees
+    runs = trees.configs("bundled", 3, 2, 5)
+    chain, strict, sampled = runs.values()
+    assert chain.tree_shape is None and chain.use_rejection_sampling is True
+    assert strict.tree_shape == sampled.tree_shape and sampled.tree_shape.max_nodes == 5
+    assert (strict.use_rejection_sampling, sampled.use_rejection_sampling) == (False, True)
+    assert all(dict(c.draft_len_schedule) == {1: 3} for c in runs.values())  # full depth
+    with pytest.raises(SystemExit, match="no EAGLE-3 head"):
+        trees.configs("random-28m", 3, 2, 5)

@@ -2,6 +2,7 @@
 (`specjax.speculative.workers.tree`): each checked against a plain-Python restatement of the
 reference behaviour (semantics.md, "Dynamic tree")."""
 import itertools
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -9,8 +10,11 @@ import numpy as np
 import pytest
 
 from specjax.core.kv import make_kv_pool
-from specjax.core.tree import MAX_TREE_NODES, TreeShape, relocate_path, tree_accept, tree_layout
-from specjax.speculative.workers.tree import grow_tree
+from specjax.core.sampling import filter_logits
+from specjax.bench.sampling import TreeTagger, judge_tree_groups
+from specjax.core.tree import (MAX_TREE_NODES, TreeShape, relocate_path, tree_accept, tree_layout,
+                               tree_rejection_accept)
+from specjax.speculative.workers.tree import grow_tree, sampled_draw
 
 
 def random_parents(rng, T):
@@ -158,7 +162,7 @@ def test_grow_tree_with_known_top_k_lists(K, depth, T):
 
     fn = jax.jit(lambda f: grow_tree(f, expand, jnp.zeros((3, K), jnp.int32),
                                      jnp.zeros((), jnp.int32), K, depth, T))
-    tokens, parents = fn(first)
+    tokens, parents, _ = fn(first)
     for b in range(3):
         want_tokens, want_parents = python_grow(first[b], table, K, depth, T)
         assert np.asarray(tokens[b]).tolist() == want_tokens
@@ -169,7 +173,113 @@ def test_grow_tree_with_known_top_k_lists(K, depth, T):
 def test_grow_tree_maps_head_ids_to_target_ids():
     table = np.log(np.full((4, 4), 0.25, np.float32))
     first = np.log(np.asarray([[0.1, 0.2, 0.3, 0.4]], np.float32))
-    tokens, parents = grow_tree(first, lambda *a: (jnp.asarray(table)[a[1] % 4], a[2], a[3]),
+    tokens, parents, _ = grow_tree(first, lambda *a: (jnp.asarray(table)[a[1] % 4], a[2], a[3]),
                                 jnp.zeros((1, 2)), None, 2, 1, 2, lambda ids: ids + 100)
     assert np.asarray(tokens).tolist() == [[103, 102]]
     assert np.asarray(parents).tolist() == [[0, 0]]
+
+
+# ---- sampled trees: siblings drawn without replacement, recursive rejection sampling ---------
+
+def markov_tables(V, seed):
+    """A drafter q(. | token) and a target p(. | token) that agree in part."""
+    rng = np.random.default_rng(seed)
+    q = rng.dirichlet(np.full(V, 0.6), size=V)
+    p = 0.5 * q[:, rng.permutation(V)] + 0.5 * rng.dirichlet(np.full(V, 0.6), size=V)
+    return q, p / p.sum(1, keepdims=True)
+
+
+def sampled_batch(B, temperature=1.0, top_k=0, top_p=1.0):
+    return SimpleNamespace(temperature=jnp.full((B,), temperature, jnp.float32),
+                           top_k=jnp.full((B,), top_k, jnp.int32),
+                           top_p=jnp.full((B,), top_p, jnp.float32),
+                           min_p=jnp.zeros((B,), jnp.float32),
+                           seeds=jnp.arange(B, dtype=jnp.uint32) * 7919 + 11)
+
+
+def sampled_tree_step(q_table, p_probs, roots, K, D, T, batch, start=5):
+    """Grow one sampled tree per row from the drafter's table (`sampled_draw` filters it with
+    the batch's parameters) and accept it by recursive rejection sampling against the target's
+    `p_probs` -> numpy (run tokens, parents, node q, emitted tokens, lens)."""
+    B = len(roots)
+    log_q = jnp.log(jnp.asarray(q_table, jnp.float32))
+    newest = jnp.full((B,), start, jnp.int32)
+
+    @jax.jit
+    def step(roots):
+        expand = lambda level, tokens, node, shared: (log_q[tokens], node, shared)  # noqa: E731
+        nodes, parents, q = grow_tree(log_q[roots], expand, jnp.zeros((B, K)), None, K, D, T,
+                                      draw=sampled_draw(batch, newest, K))
+        run = jnp.concatenate([roots[:, None], nodes], axis=1)
+        layout = tree_layout(parents, jnp.full((B,), T), jnp.full((B,), 100), D)
+        p = jnp.asarray(p_probs, jnp.float32)[run]
+        new_tokens, lens, _ = tree_rejection_accept(run, parents, layout, p, q, batch.seeds,
+                                                    newest, D, K)
+        return run, parents, q, new_tokens, lens
+
+    return [np.asarray(x) for x in step(jnp.asarray(roots, jnp.int32))]
+
+
+def test_sampled_tree_siblings_are_distinct_draws_in_a_tree_of_the_set_size():
+    V, K, D, T, B = 8, 3, 3, 7, 64
+    q_table, p_table = markov_tables(V, 0)
+    run, parents, q, _, lens = sampled_tree_step(q_table, p_table, np.arange(B) % V, K, D, T,
+                                                 sampled_batch(B))
+    assert (lens >= 1).all() and (lens <= D + 1).all()
+    for b in range(B):
+        par = [-1] + parents[b].tolist()
+        for node in range(T + 1):
+            kids = [r for r in range(1, T + 1) if par[r] == node]
+            assert len(kids) <= K
+            tokens = [run[b, r] for r in kids]
+            assert len(set(tokens)) == len(tokens)  # without replacement
+            # every child was drawn from its parent's distribution
+            for r in kids:
+                np.testing.assert_allclose(q[b, r - 1], q_table[run[b, node]], rtol=1e-5,
+                                           atol=1e-7)
+        assert all(0 <= par[r] < r for r in range(1, T + 1))
+
+
+def filtered(table, temperature, top_k):
+    """softmax(filter_logits(log table)) per row: what a step makes of a raw distribution."""
+    n = table.shape[0]
+    f = filter_logits(jnp.log(jnp.asarray(table, jnp.float32)), jnp.full((n,), temperature),
+                      jnp.full((n,), top_k, jnp.int32), jnp.ones((n,)), jnp.zeros((n,)))
+    return np.asarray(jax.nn.softmax(f, axis=-1), np.float64)
+
+
+@pytest.mark.parametrize("temperature,top_k", [(1.0, 0), (0.7, 3)])
+def test_sampled_tree_tokens_follow_the_target_at_every_depth_and_sibling(temperature, top_k):
+    """Every emitted token, grouped by its depth and by the sibling its decision reached, is
+    judged against the exact residual it must follow (p after the rejections before it) by the
+    bench's chi-square statistic at alpha = 1e-5 per group; 12000 trees. The power check:
+    the same statistic on the siblings' own tokens (drawn from q) must fail."""
+    V, K, D, T, B = 8, 3, 3, 7, 12000
+    q_table, p_table = markov_tables(V, 1)
+    p_f = filtered(p_table, temperature, top_k)   # the target as the step filters it
+    roots = np.random.default_rng(2).integers(0, V, B)
+    run, parents, q, new_tokens, lens = sampled_tree_step(
+        q_table, p_f, roots, K, D, T, sampled_batch(B, temperature, top_k))
+    np.testing.assert_allclose(q[0, 0], filtered(q_table, temperature, top_k)[roots[0]],
+                               atol=1e-5)  # siblings are drawn from the filtered drafter
+    tagger = TreeTagger()
+    for b in range(B):
+        tagger.add(b, 1, run[b].tolist(), parents[b].tolist(), q[b],
+                   new_tokens[b, :lens[b]].tolist(), D)
+    sequences = [[int(roots[b])] + new_tokens[b, :lens[b]].tolist() for b in range(B)]
+    tags = tagger.done(sequences)
+    seqs = np.zeros((B, D + 2), np.int64)
+    for b, seq in enumerate(sequences):
+        seqs[b, :len(seq)] = seq
+    p = p_f[seqs]                                          # p[s, t] = p(. | token t)
+    results = judge_tree_groups(tags, p, min_count=200)
+    names = [r.name for r in results]
+    for k in range(1, D + 1):
+        assert f"depth {k}, sibling 1" in names and f"depth {k}, sibling 2" in names, names
+    assert "depth 1, sibling 3" in names, names
+    for r in results:
+        assert not r.differs, f"{r.name}: chi2 {r.stat:.1f} > {r.critical:.1f} (n {r.count})"
+    drafted = judge_tree_groups(tags, p, drafted=True, min_count=200)
+    assert "depth 1, sibling 2" in [r.name for r in drafted]
+    for r in drafted:
+        assert r.differs, f"drafts, {r.name}: chi2 {r.stat:.1f} <= {r.critical:.1f}"

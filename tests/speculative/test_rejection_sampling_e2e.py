@@ -18,7 +18,8 @@ import dataclasses
 import pytest
 
 from specjax.bench.sampling import (PROMPT, acceptance_rate, depth_groups, in_step_configs,
-                                    judge_groups, make_llm, sample_and_tag, target_probs)
+                                    judge_groups, judge_tree_groups, make_llm, sample_and_tag,
+                                    sample_and_tag_tree, target_probs)
 from specjax.sampling_params import SamplingParams
 
 N, MAX_TOKENS, TEMPERATURE, D = 128, 32, 0.8, 3
@@ -89,6 +90,64 @@ def test_rejection_sampling_accepts_more_than_strict_matching(runs):
 
 def test_greedy_rows_stay_exact_beside_sampled_ones(runs):
     llm = runs(DRAFTERS[0])[0]
+    greedy = SamplingParams(max_tokens=20)
+    mixed = [greedy, SamplingParams(max_tokens=20, temperature=1.0, seed=1), greedy]
+    outs = llm.generate([PROMPT, PROMPT, "import os\n"], mixed)
+    plain = make_llm(None, max_batch_size=2).generate([PROMPT, "import os\n"], greedy)
+    assert [outs[0].token_ids, outs[2].token_ids] == [o.token_ids for o in plain]
+
+
+# ---- draft trees: siblings drawn without replacement, recursive rejection sampling --------
+# The EAGLE-3 head's trees of depth D (K = 3 children per node, 8 nodes), every step at full
+# depth. Each emitted token is judged against the residual it must follow given the siblings
+# its decision went past (`specjax.bench.sampling.TreeDecided`), per (depth, sibling) group
+# of at least 60 tokens; 128 sequences x 32 tokens. With 11 groups at alpha = 1e-5, a correct
+# implementation fails for a random seed set with probability about 1.1e-4.
+TREE_K, TREE_T = 3, 8
+# The shape sampled rows get (`SIBLING_ACCEPTANCE`): three children under the root and under
+# its first child, one under the first grandchild and one under the second child. Sibling
+# n + 1 of a node with n children is the correction after all n were rejected.
+TREE_GROUPS = ([f"depth {k}, sibling {i}" for k in (1, 2) for i in (1, 2, 3, 4)]
+               + ["depth 3, sibling 1", "depth 3, sibling 2", f"depth {D + 1}, sibling 1"])
+TREE_DRAFTED = [f"depth {k}, sibling {i}" for k in (1, 2) for i in (1, 2, 3)] + [
+    "depth 3, sibling 1"]
+
+
+@pytest.fixture(scope="module")
+def tree_run():
+    spec = dataclasses.replace(CONFIGS["eagle3_one_model"], use_dynamic_tree=True,
+                               dynamic_tree_max_topK=TREE_K, max_total_draft_tokens=TREE_T,
+                               draft_len_schedule={1: D})
+    llm = make_llm(spec)
+    tags = sample_and_tag_tree(llm, N, MAX_TOKENS, TEMPERATURE, seed_offset=2 * 10**6)
+    return llm, tags, target_probs(llm, tags.sequences, TEMPERATURE)
+
+
+@pytest.mark.skipif("eagle3_one_model" not in CONFIGS, reason="no bundled EAGLE-3 head")
+def test_tree_tokens_follow_the_target_at_every_depth_and_sibling(tree_run):
+    llm, tags, p = tree_run
+    results = {r.name: r for r in judge_tree_groups(tags, p, min_count=60)}
+    missing = [g for g in TREE_GROUPS if g not in results]
+    assert not missing, (missing, sorted(results))
+    for r in results.values():
+        assert not r.differs, (f"{r.name}: chi2 {r.stat:.1f} > {r.critical:.1f} "
+                               f"(df {r.df}, n {r.count})")
+    assert llm.engine.allocator.num_free_blocks == llm.engine.allocator.total_blocks
+
+
+@pytest.mark.skipif("eagle3_one_model" not in CONFIGS, reason="no bundled EAGLE-3 head")
+def test_the_tree_statistic_detects_the_draft_distribution(tree_run):
+    """The siblings' own tokens (drawn from q_i) judged against p_i must fail."""
+    _, tags, p = tree_run
+    drafted = judge_tree_groups(tags, p, drafted=True, min_count=60)
+    assert set(TREE_DRAFTED) <= {r.name for r in drafted}, sorted(r.name for r in drafted)
+    for r in drafted:
+        assert r.differs, f"drafts, {r.name}: chi2 {r.stat:.1f} <= {r.critical:.1f}"
+
+
+@pytest.mark.skipif("eagle3_one_model" not in CONFIGS, reason="no bundled EAGLE-3 head")
+def test_greedy_rows_of_a_sampled_tree_batch_stay_exact(tree_run):
+    llm = tree_run[0]
     greedy = SamplingParams(max_tokens=20)
     mixed = [greedy, SamplingParams(max_tokens=20, temperature=1.0, seed=1), greedy]
     outs = llm.generate([PROMPT, PROMPT, "import os\n"], mixed)

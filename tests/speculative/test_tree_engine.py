@@ -55,6 +55,9 @@ def table_worker(table: np.ndarray):
         def _to_target(self, head, ids):  # the table is over the target's vocabulary
             return ids
 
+        def _to_target_vocab(self, head, probs):
+            return probs
+
     return TableWorker
 
 
@@ -95,6 +98,20 @@ def tree_llm(perm_target):
             tree_config(perm_models.eagle_head(target, perm), K=3, D=4, T=10),
             draft_len_schedule={1: 4})
         llm = spec_llm(target, config, warmup=True)
+    yield llm
+    assert _full_pool(llm)
+
+
+@pytest.fixture(scope="module")
+def strict_tree_llm(perm_target):
+    """`tree_llm`'s engine with use_rejection_sampling=False (compiled on first use)."""
+    target, perm = perm_target
+    with pytest.MonkeyPatch.context() as mp:
+        use_table(mp, perm_table(perm))
+        config = dataclasses.replace(
+            tree_config(perm_models.eagle_head(target, perm), K=3, D=4, T=10,
+                        use_rejection_sampling=False), draft_len_schedule={1: 4})
+        llm = spec_llm(target, config)
     yield llm
     assert _full_pool(llm)
 
@@ -209,7 +226,7 @@ def test_tree_equals_the_head_run_densely(perm_target):
         return log_probs(h), children, shared
 
     empty = jnp.zeros((1, K, 0, CFG.num_kv_heads, CFG.head_dim))
-    tokens, parents = grow_tree(log_probs(h0), expand,
+    tokens, parents, _ = grow_tree(log_probs(h0), expand,
                                 (jnp.broadcast_to(h0[:, None], (1, K, CFG.hidden_size)), empty,
                                  empty), None, K, D, T, head.to_target_ids)
     slots = engine.executor.state.slots
@@ -278,10 +295,11 @@ def test_hand_built_tree_accepts_its_known_path_and_relocates_its_kv(perm_target
 
 # ---- sampled requests -------------------------------------------------------------------
 
-def test_sampled_tree_output_is_plain_sampling_token_for_token(perm_target, tree_llm):
-    """Tree verification draws each node's target token with the request's key for that
-    position, exactly as plain sampling does, and descends only on a match: seeded output is
-    plain sampling's, token for token, while drafts are accepted."""
+def test_sampled_tree_output_is_plain_sampling_token_for_token(perm_target, strict_tree_llm):
+    """Without rejection sampling, tree verification draws each node's target token with the
+    request's key for that position, exactly as plain sampling does, and descends only on a
+    match: seeded output is plain sampling's, token for token, while drafts are accepted."""
+    tree_llm = strict_tree_llm
     target, _ = perm_target
     params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=t, top_k=k, seed=s)
               for s, (t, k) in enumerate([(0.7, 0), (1.0, 0), (0.5, 8), (1.3, 0), (0.9, 20)])]
@@ -323,16 +341,16 @@ def test_sampled_tree_tokens_follow_the_target_distribution(perm_target, tree_ll
 
 def test_tree_config_round_trip_and_errors():
     cfg = tree_config(None, K=4, D=4, T=16)
-    assert cfg.use_rejection_sampling is False  # trees verify sampled rows exactly without it
+    assert cfg.use_rejection_sampling is True  # as for a chain: sampled rows by rejection
     assert cfg.tree_shape.nodes_for(4) == 16 and cfg.tree_shape.nodes_for(2) == 8
     assert SpeculativeConfig.from_dict(cfg.to_dict()) == cfg
-    with pytest.raises(ValueError, match="use_rejection_sampling=True does not apply"):
-        tree_config(None, use_rejection_sampling=True)
+    strict = tree_config(None, use_rejection_sampling=False)
+    assert SpeculativeConfig.from_dict(strict.to_dict()).use_rejection_sampling is False
     with pytest.raises(ValueError, match="at most 31 draft tokens"):
         EagleConfig(max_draft_len=4, use_dynamic_tree=True, dynamic_tree_max_topK=8)
     assert EagleConfig(max_draft_len=4).tree_shape is None
     mtp = MTP_EAGLE_TREE()
-    assert mtp.tree_shape.max_nodes == 6 and mtp.use_rejection_sampling is False
+    assert mtp.tree_shape.max_nodes == 6 and mtp.use_rejection_sampling is True
     with pytest.raises(ValueError, match="use_dynamic_tree needs MTP-Eagle"):
         MTPConfig(max_draft_len=2, num_nextn_predict_layers=2, use_dynamic_tree=True,
                   dynamic_tree_max_topK=2)

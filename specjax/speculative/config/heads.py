@@ -48,23 +48,15 @@ class DynamicTreeFields:
     `use_dynamic_tree`): `use_dynamic_tree` with `dynamic_tree_max_topK` = K;
     `max_total_draft_tokens` (draft tokens verified per step) defaults to K * D and must lie in
     [D, min(K * D, 31)]. Without a tree it is D (None or D accepted); `total_draft_tokens`
-    gives the effective value. A tree verifies sampled requests exactly without rejection
-    sampling (see `specjax.core.tree`): `use_rejection_sampling` defaults to False there and
-    True is refused."""
+    gives the effective value. `use_rejection_sampling` means what it means for a chain: sampled
+    rows draw each node's children without replacement from the head's filtered distribution
+    and are accepted by recursive rejection sampling (the default); False keeps top-K children
+    and the walk that accepts the target's own token (token for token what seeded plain
+    sampling draws; see `specjax.core.tree`)."""
 
     use_dynamic_tree: bool = False
     dynamic_tree_max_topK: int | None = None
     max_total_draft_tokens: int | None = None
-
-    def _tree_sampling_default(self) -> None:
-        """Before `SpeculativeConfig.__post_init__` resolves use_rejection_sampling=None."""
-        if self.use_dynamic_tree is True:
-            if self.use_rejection_sampling:
-                raise ValueError(
-                    "use_rejection_sampling=True does not apply to a dynamic tree: tree "
-                    "verification draws each node's token from the target itself (exact, "
-                    "token for token what plain sampling draws); leave it unset")
-            object.__setattr__(self, "use_rejection_sampling", False)
 
     def _check_tree(self) -> None:
         if not isinstance(self.use_dynamic_tree, bool):
@@ -124,7 +116,6 @@ class EagleConfig(SpeculativeConfig, DynamicTreeFields, SAEnhanced):
     mode: ClassVar[SpeculativeDecodingMode] = SpeculativeDecodingMode.EAGLE3_ONE_MODEL
 
     def __post_init__(self):
-        self._tree_sampling_default()
         super().__post_init__()
         model_field(self, (Eagle3Head,), "an Eagle3Head")
         if self.eagle3_layers_to_capture is not None:
@@ -180,7 +171,6 @@ class MTPConfig(SpeculativeConfig, DynamicTreeFields, SAEnhanced):
         return SpeculativeDecodingMode.MTP
 
     def __post_init__(self):
-        self._tree_sampling_default()
         super().__post_init__()
         positive_int("num_nextn_predict_layers", self.num_nextn_predict_layers)
         if not isinstance(self.use_mtp_vanilla, bool):

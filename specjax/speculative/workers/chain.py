@@ -36,7 +36,7 @@ from specjax.models.mtp_head import target_lm_head
 from specjax.speculative.modes import SpeculativeDecodingMode
 from specjax.speculative.workers.common import head_pass, shift_in
 from specjax.speculative.workers.registry import register
-from specjax.speculative.workers.tree import grow_tree
+from specjax.speculative.workers.tree import grow_tree, sampled_draw
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +75,11 @@ class ChainWorker(WorkerDefaults):
         """The head's token ids -> the target's."""
         return ids
 
+    def _to_target_vocab(self, head, probs: jax.Array) -> jax.Array:
+        """Probabilities `[..., V']` over the head's vocabulary -> `[..., V]` over the
+        target's (0 where the head has no token)."""
+        return probs
+
     def _kv_shape(self) -> tuple[int, int]:
         raise NotImplementedError
 
@@ -101,7 +106,7 @@ class ChainWorker(WorkerDefaults):
               new_tokens: jax.Array, new_lens: jax.Array, num_drafts: int, penalties=None
               ) -> tuple[KVPool, Drafts]:
         """After acceptance: catch up over the accepted rows, then draft `num_drafts` tokens
-        (a tree worker: a tree of that depth, without penalties).
+        (a tree worker: a tree of that depth, without bias or penalties).
 
         captured `[C, B, W, H]`, new_tokens `[B, W]` (the accepted rows in sequence order),
         new_lens `[B]`."""
@@ -134,9 +139,9 @@ class ChainWorker(WorkerDefaults):
             drafts, probs = self._chain(head, layer, target, batch, attend, h, newest, lens,
                                         num_drafts, penalties)
             return kv, Drafts.every(drafts, probs=probs)
-        nodes, parents = self._tree(head, layer, target, attend, h,
-                                    take_rows(new_tokens, last), newest, num_drafts)
-        return kv, Drafts.every(nodes, parents=parents)
+        nodes, parents, probs = self._tree(head, layer, target, batch, attend, h,
+                                           take_rows(new_tokens, last), newest, num_drafts)
+        return kv, Drafts.every(nodes, parents=parents, probs=probs)
 
     def _chain(self, head, layer, target, batch, attend, h, newest, lens, num_drafts,
                penalties):
@@ -204,11 +209,13 @@ class ChainWorker(WorkerDefaults):
         del tokens  # the head's hidden_out already read it
         return jax.nn.log_softmax(self._draft_logits(head, target, hidden_out))
 
-    def _tree(self, head, layer, target, attend, h, newest_token, newest, depth):
+    def _tree(self, head, layer, target, batch, attend, h, newest_token, newest, depth):
         """A dynamic tree of `depth` levels (`grow_tree`): each expanded node is one row, fed
         its token and the hidden_out its distribution came from, attending to the context
-        (`attend`), its ancestors' rows and itself. -> (node tokens `[B, T]`, parents
-        `[B, T]`)."""
+        (`attend`), its ancestors' rows and itself. With rejection sampling, sampled rows
+        draw each node's children without replacement from the filtered head distribution
+        (`sampled_draw`). -> (node tokens `[B, T]`, parents `[B, T]`, the distribution each
+        node was drawn from over the target's vocabulary `[B, T, V]` or None)."""
         K = self.tree.top_k
         B = h.shape[0]
         R = K * max(depth - 1, 0)   # expanded rows: K per level but the last
@@ -235,8 +242,11 @@ class ChainWorker(WorkerDefaults):
         kv_shape = self._kv_shape()
         node = (jnp.broadcast_to(h[:, None], (B, K, h.shape[-1])), jnp.zeros((B, K, R), bool))
         local = (jnp.zeros((B, R, *kv_shape), h.dtype), jnp.zeros((B, R, *kv_shape), h.dtype))
-        return grow_tree(log_probs(h, newest_token), expand, node, local, K, depth,
-                         self.tree.nodes_for(depth), lambda ids: self._to_target(head, ids))
+        draw = sampled_draw(batch, newest, K) if self.rejection_sampling else None
+        nodes, parents, q = grow_tree(log_probs(h, newest_token), expand, node, local, K, depth,
+                                      self.tree.nodes_for(depth),
+                                      lambda ids: self._to_target(head, ids), draw)
+        return nodes, parents, None if q is None else self._to_target_vocab(head, q)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -260,6 +270,9 @@ class Eagle3Worker(ChainWorker):
 
     def _to_target(self, head, ids):
         return head.to_target_ids(ids)
+
+    def _to_target_vocab(self, head, probs):
+        return head.to_target_vocab(probs, 0.0)
 
     def _kv_shape(self):
         return self.head_config.num_kv_heads, self.head_config.head_dim
