@@ -357,6 +357,8 @@ class Engine:
             # A host drafter needs every token so far, and so does a grammar's next masks.
             self._drain()
             candidates = [r for r in candidates if r.status is Status.RUNNING]
+        forced = self._forced_len(candidates)
+        draft_len = max(draft_len, forced)
         reserve = self.scheduler.reserve_for(draft_len)
         unread = self.executor.unread_advance
         positions = lambda r: max(0, r.num_computed + unread(r) + reserve
@@ -382,7 +384,8 @@ class Engine:
             # A host drafter's proposals are known now: choose again, counting only the
             # drafts each row has (a row without a match gains nothing from a longer step).
             caps = np.asarray([n for _, n in reserved])
-            draft_len = self.choose_draft_len([r for r, _ in reserved], caps, draft_len)
+            draft_len = max(self.choose_draft_len([r for r, _ in reserved], caps, draft_len),
+                            forced)
         for request, drafted in reserved:
             held = request.drafts_held
             if drafter is not None:
@@ -390,6 +393,20 @@ class Engine:
             request.drafts_held = draft_len  # what this step drafts for the next (in-step)
             rows.append(GenerationRow(request, reserve, drafted, proposed=held))
         return rows, draft_len
+
+    def _forced_len(self, candidates: list[Request]) -> int:
+        """The most tokens a row's grammar forces next (capped at the longest chain), where
+        the cost model chooses lengths: the step verifies them whatever it chose, since they
+        are accepted unless the target spells the same text otherwise, and a step of 1 + k
+        tokens costs less than k + 1 steps. Not for trees (a tree's run is its nodes), nor
+        where a schedule, the gate or a pinned length decides."""
+        D = self.speculation.max_draft_len
+        if (not self.adaptive or self.speculation.tree is not None
+                or self.pinned_draft_len is not None or not candidates
+                or not self.draft_len_for(len(candidates))):
+            return 0
+        return max((len(r.grammar.forced(D)) for r in candidates if r.grammar is not None),
+                   default=0)
 
     def _propose(self, drafter, request: Request, draft_len: int) -> list[int]:
         """A host drafter's proposal, checked before it can reach a device array."""
