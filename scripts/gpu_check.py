@@ -1,20 +1,37 @@
 #!/usr/bin/env python
-"""Run every Pallas kernel compiled on the GPU against its jnp reference, then time both.
+"""Check every Pallas kernel compiled on the GPU against its jnp reference, then measure the
+GPU at real shapes: the attention kernel against its bytes, the engine at Llama-3.2-1B and
+Llama-3.1-8B shapes (random bfloat16 weights made on the device: no download), and XLA's
+command-buffer (CUDA graph) options. One prepared run, about 8-10 minutes on an H200:
 
-    python scripts/gpu_check.py            # checks + full timing table (about 2-3 min on an H200)
-    python scripts/gpu_check.py --quick    # checks + a few timing shapes (under a minute)
-    python scripts/gpu_check.py --interpret --quick   # CPU dry run: checks in interpret mode
+    python scripts/gpu_check.py                      # every default section, in this order:
+        checks     kernel == reference (small shapes; exit 1 if any fails)
+        attention  the paged-attention kernel alone at 1k / 4k / 16k contexts, batch 1 and 8,
+                   T = 1, 5 and a 1 + 16-node tree: us per call (20 calls chained in one
+                   program: no host in between) and GB/s of K/V read against the copy
+                   bandwidth; the jnp reference at 4k beside it
+        8b         `python -m specjax.bench shapes --shape llama-3.1-8b`: the decode step at
+                   batch 1 / 8 / 32 against the HBM floor, t(1 + T)/t(1) for T = 1..8 and a
+                   16-node tree, speculation at AL = 3 (oracle drafts through a random EAGLE-3
+                   head) against plain decoding
+        1b         the same at the Llama-3.2-1B shape (decode and verify)
+        flags      `python -m specjax.bench xla --shape llama-3.2-1b`: XLA's command-buffer
+                   options (child processes), with greedy output checked against the defaults'
+    python scripts/gpu_check.py --sections checks,attention    # a subset
+    python scripts/gpu_check.py --sections kernels --quick     # the older kernel-vs-reference
+                                                               # timing table (all kernels)
+    python scripts/gpu_check.py --tiny               # CPU dry run of every section: kernels in
+                                                     # interpret mode, tiny shapes
 
-Without a GPU (and without --interpret) it prints "no GPU" and exits 0. Exit status 1 and a
-"FAILED" list when any check fails (a wrong result, or a kernel that does not lower/compile).
+Without a GPU (and without --interpret / --tiny) it prints "no GPU" and exits 0. Exit status 1
+and a "FAILED" list when any check or section fails (a wrong result, or a kernel that does not
+lower/compile); a failing section does not stop the others.
 
 Checks (small shapes): kernel == reference exactly for the sampling kernel (tokens and counts;
 at V = 32k the correction/bonus token may differ only where u * total lies within float32
 rounding of a CDF boundary, verified against a float64 CDF) and for the KV relocation/gather
 kernels; allclose for paged attention (float32 against a HIGHEST-precision reference, and
-bfloat16), causal runs and draft trees (`tree_mask`). Timings: median wall time of jitted
-calls, kernel vs reference, at realistic shapes (B = 1..64, D = 4..8, V = 32k..128k;
-attention over 4k-token contexts, causal and a 1 + 16-node draft tree).
+bfloat16), causal runs and draft trees (`tree_mask`).
 """
 from __future__ import annotations
 
@@ -22,6 +39,7 @@ import argparse
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 import traceback
@@ -30,6 +48,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import specjax  # noqa: E402,F401 - its XLA flags (specjax/xla_flags.py) before JAX starts
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
@@ -108,19 +127,11 @@ def tree_attention_inputs(B, T, H, KV, hd, bs, ctx_lens, M, dtype, seed=0, layer
                                                seed, layers)
     rng = np.random.default_rng(seed + 100)
     positions = np.zeros((B, T), np.int32)
-    masks = np.zeros((B, T), np.uint32)
+    masks = np.zeros((B, T), np.int32)
     for b, c in enumerate(ctx_lens):
-        if c < T:
-            continue
-        parents = [-1] + [int(rng.integers(0, i)) for i in range(1, T)]
-        depth = [0] * T
-        for i in range(1, T):
-            depth[i] = depth[parents[i]] + 1
-            masks[b, i] = masks[b, parents[i]]
-        masks[b] |= (np.uint32(1) << np.arange(T, dtype=np.uint32))
-        positions[b] = c - T + np.asarray(depth)
-    return ((q, k, v, tables, jnp.asarray(positions), ctx),
-            jnp.asarray(masks.view(np.int32)))
+        if c >= T:
+            positions[b], masks[b] = random_tree_rows(T, c, rng)
+    return (q, k, v, tables, jnp.asarray(positions), ctx), jnp.asarray(masks)
 
 
 # --- correctness -----------------------------------------------------------------------------
@@ -398,71 +409,207 @@ def time_case(kind, params, iters):
     raise ValueError(kind)
 
 
+# --- the attention kernel alone at real shapes ------------------------------------------------
+
+def random_tree_rows(T, ctx, rng):
+    """One request's last T slots as a random draft tree (root + T - 1 nodes, parent < child):
+    (positions [T] = run_start + depth, int32 ancestor-or-self bitmasks [T])."""
+    parents = [-1] + [int(rng.integers(0, i)) for i in range(1, T)]
+    depth = [0] * T
+    masks = np.zeros(T, np.uint32)
+    for i in range(1, T):
+        depth[i] = depth[parents[i]] + 1
+        masks[i] = masks[parents[i]]
+    masks |= (np.uint32(1) << np.arange(T, dtype=np.uint32))
+    return (ctx - T + np.asarray(depth)).astype(np.int32), masks.view(np.int32)
+
+
+def device_attention_inputs(B, T, ctx, M, H, KV, hd, bs, tree, dtype=jnp.bfloat16, seed=0):
+    """Pools made on the device (one layer), each request's ctx tokens on scattered pages of a
+    table M pages wide; the run is the last T positions (a random tree when `tree`)."""
+    pages = -(-ctx // bs)
+    N = B * pages + 1
+    keys = jax.random.split(jax.random.key(seed), 3)
+    k_pool = jax.random.normal(keys[0], (1, N, KV, bs, hd), dtype)
+    v_pool = jax.random.normal(keys[1], (1, N, KV, bs, hd), dtype)
+    q = jax.random.normal(keys[2], (B, T, H, hd), dtype)
+    rng = np.random.default_rng(seed)
+    tables = np.zeros((B, M), np.int32)
+    tables[:, :pages] = rng.permutation(np.arange(1, N)).reshape(B, pages)
+    if tree:
+        rows = [random_tree_rows(T, ctx, rng) for _ in range(B)]
+        positions = np.stack([r[0] for r in rows])
+        masks = jnp.asarray(np.stack([r[1] for r in rows]))
+    else:
+        positions = np.broadcast_to(ctx - T + np.arange(T, dtype=np.int32), (B, T))
+        masks = None
+    return (q, k_pool, v_pool, jnp.asarray(tables), jnp.asarray(positions),
+            jnp.full((B,), ctx, jnp.int32), masks)
+
+
+def chained_us(fn, q, rest, n):
+    """Microseconds per call of `fn(q, *rest) -> q'` (same shape), n calls chained inside one
+    jitted program (each reads the last's output: none can be skipped or overlapped, and no
+    host round trip or dispatch sits between them); best of 5 runs."""
+    @jax.jit
+    def chained(q, *rest):
+        for _ in range(n):
+            q = fn(q, *rest)
+        return q
+    jax.block_until_ready(chained(q, *rest))
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        jax.block_until_ready(chained(q, *rest))
+        best = min(best, time.perf_counter() - t0)
+    return best / n * 1e6
+
+
+def attention_section(tiny: bool) -> None:
+    from specjax.analysis.timing import copy_bandwidth
+    if tiny:
+        contexts, H, KV, hd, bs, n, wide = (64, 128), 8, 2, 16, 16, 2, 256
+    else:
+        contexts, H, KV, hd, bs, n, wide = (1024, 4096, 16384), 32, 8, 128, 16, 20, 16384
+    bandwidth = copy_bandwidth()
+    print(f"  copy bandwidth {bandwidth / 1e9:.0f} GB/s (read + write); H={H} KV={KV} hd={hd} "
+          f"bs={bs} bf16; {n} calls chained per program")
+    print(f"  {'case':<40} {'kernel us':>10} {'GB/s':>7} {'% bw':>5} {'ref us':>8}")
+    cases = [(ctx, ctx, B, T, T == 17) for ctx in contexts for B in (1, 8) for T in (1, 5, 17)]
+    cases += [(contexts[0], wide, 1, T, False) for T in (1, 5)]  # a short context, wide table
+    kernel = lambda q, k, v, bt, pos, ctx, tm: paged_attention_kernel(
+        q, k, v, 0, bt, pos, ctx, NO_WINDOW, tm, interpret=INTERPRET)
+    reference = lambda q, k, v, bt, pos, ctx, tm: paged_attention_reference(
+        q, k, v, 0, bt, pos, ctx, NO_WINDOW, tm)
+    for ctx, width, B, T, tree in cases:
+        q, k, v, tables, pos, ctx_arr, masks = device_attention_inputs(
+            B, T, ctx, -(-width // bs), H, KV, hd, bs, tree)
+        label = (f"ctx={ctx}" + (f" in {width}" if width != ctx else "") + f" B={B} "
+                 + (f"tree 1+{T - 1}" if tree else f"T={T}"))
+        kv_bytes = 2 * B * ctx * KV * hd * k.dtype.itemsize
+        us = chained_us(kernel, q, (k, v, tables, pos, ctx_arr, masks), n)
+        ref = (chained_us(reference, q, (k, v, tables, pos, ctx_arr, masks), n)
+               if ctx == contexts[len(contexts) // 2] and width == ctx else float("nan"))
+        gbs = kv_bytes / us / 1e3
+        print(f"  {label:<40} {us:>10.1f} {gbs:>7.0f} {100 * gbs * 1e9 / bandwidth:>5.0f} "
+              f"{ref:>8.1f}", flush=True)
+        del q, k, v
+    # The kernel's knobs at the middle context, batch 1 (the defaults: about 64 keys a step,
+    # about 264 programs): what the next change of defaults would rest on.
+    ctx = contexts[len(contexts) // 2]
+    print(f"  tuning at ctx={ctx} B=1: us per call for (pages_per_step, num_splits)")
+    for T in (1, 5):
+        q, k, v, tables, pos, ctx_arr, masks = device_attention_inputs(
+            1, T, ctx, -(-ctx // bs), H, KV, hd, bs, False)
+        cells = []
+        for P, S in ((2, 64), (4, 8), (4, 16), (4, 32), (4, 64), (8, 16), (8, 32)):
+            tuned = lambda q, *a, P=P, S=S: paged_attention_kernel(
+                q, a[0], a[1], 0, a[2], a[3], a[4], NO_WINDOW, None, interpret=INTERPRET,
+                pages_per_step=P, num_splits=S)
+            cells.append(f"({P},{S}) {chained_us(tuned, q, (k, v, tables, pos, ctx_arr), n):.1f}")
+        print(f"    T={T}: " + "  ".join(cells), flush=True)
+
+
+# --- the engine at real shapes, and XLA's options ---------------------------------------------
+
+def shapes_section(shape: str, sections: str, tiny: bool) -> None:
+    from specjax.bench import shapes
+    parser = argparse.ArgumentParser()
+    shapes.add_arguments(parser)
+    argv = ["--shape", "tiny" if tiny else shape, "--sections", sections]
+    if tiny:
+        argv += ["--position", "64", "--batch-sizes", "1", "2", "--verify-len", "2",
+                 "--tree-nodes", "4", "--max-tokens", "24"]
+    shapes.run(parser.parse_args(argv))
+
+
+def flags_section(tiny: bool) -> None:
+    """Each candidate in its own process (XLA reads its flags once), with a fifth of the GPU's
+    memory: this process already holds its preallocated share."""
+    from specjax.bench import xla
+    cmd = [sys.executable, "-m", "specjax.bench", "xla", "--shape",
+           "tiny" if tiny else "llama-3.2-1b", "--position", "64" if tiny else "1024",
+           "--batch-sizes", "1", "--layouts", "unrolled+fused"]
+    for flags in (xla.CPU_CANDIDATES[:2] if tiny else xla.GPU_CANDIDATES[:4]):
+        cmd.append(f"--flags={flags}")
+    env = dict(os.environ, XLA_PYTHON_CLIENT_MEM_FRACTION="0.2")
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    print(proc.stdout, end="")
+    if proc.returncode or "failed:" in proc.stdout or "DIFFERS" in proc.stdout:
+        print(proc.stderr[-2000:])
+        raise CheckFailed("a candidate failed or changed the greedy output (see above)")
+
+
+SECTIONS = ("checks", "attention", "8b", "1b", "flags", "kernels")
+DEFAULT_SECTIONS = "checks,attention,8b,1b,flags"
+
+
 # --- main ------------------------------------------------------------------------------------
 
 def main(argv=None) -> int:
     global INTERPRET
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="a few timing shapes only")
-    parser.add_argument("--iters", type=int, default=None, help="timed calls per shape")
-    parser.add_argument("--no-timing", action="store_true", help="correctness checks only")
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[1])
+    parser.add_argument("--sections", default=DEFAULT_SECTIONS,
+                        help=f"comma-separated, run in this order: {', '.join(SECTIONS)}")
+    parser.add_argument("--quick", action="store_true",
+                        help="kernels section: a few timing shapes only")
+    parser.add_argument("--iters", type=int, default=None,
+                        help="kernels section: timed calls per shape")
+    parser.add_argument("--no-timing", action="store_true",
+                        help="correctness checks only (the checks section)")
     parser.add_argument("--interpret", action="store_true",
-                        help="run the kernels in interpret mode (a CPU dry run of this script)")
+                        help="run the kernels in interpret mode (a CPU dry run of the checks)")
+    parser.add_argument("--tiny", action="store_true",
+                        help="a CPU dry run of every section: interpret mode, tiny shapes")
     opts = parser.parse_args(argv)
-    INTERPRET = opts.interpret
+    sections = [x.strip() for x in opts.sections.split(",") if x.strip()]
+    unknown = sorted(set(sections) - set(SECTIONS))
+    if unknown:
+        parser.error(f"unknown sections {unknown}; choose from {', '.join(SECTIONS)}")
+    if opts.no_timing:
+        sections = ["checks"]
+    INTERPRET = opts.interpret or opts.tiny
     on_gpu = jax.default_backend() == "gpu"
-    if not on_gpu and not opts.interpret:
+    if not on_gpu and not INTERPRET:
         print(f"no GPU (jax.default_backend() == {jax.default_backend()!r}): nothing checked")
         return 0
-    iters = opts.iters or (5 if opts.interpret else 10 if opts.quick else 20)
+    iters = opts.iters or (5 if INTERPRET else 10 if opts.quick else 20)
     import jaxlib
     dev = jax.devices()[0]
     print(f"jax {jax.__version__}, jaxlib {jaxlib.__version__}, python {platform.python_version()}"
           f", device {dev.device_kind} ({jax.default_backend()}), lowering "
-          f"{'interpret' if opts.interpret else backend.GPU_LOWERING}, "
-          f"SPECJAX_PALLAS={os.environ.get('SPECJAX_PALLAS', '')!r}")
+          f"{'interpret' if INTERPRET else backend.GPU_LOWERING}, "
+          f"SPECJAX_PALLAS={os.environ.get('SPECJAX_PALLAS', '')!r}, "
+          f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")
     if on_gpu:
         print(f"dispatch on this machine: {backend.choose(None)} (kernel = compiled Pallas)")
     failures = []
+    t_start = time.perf_counter()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        t_start = time.perf_counter()
-        print("\n== correctness (kernel vs reference, small shapes) ==")
-        for name, fn in CHECKS:
-            if opts.interpret and "32k" in name and opts.quick:
-                print(f"  SKIP {name} (interpret --quick)")
-                continue
+        for name in sections:
             t0 = time.perf_counter()
+            print(f"\n== {name} ==", flush=True)
             try:
-                detail = fn()
-                print(f"  ok   {name}: {detail} ({time.perf_counter() - t0:.1f} s)", flush=True)
+                if name == "checks":
+                    failures += run_checks(opts)
+                elif name == "attention":
+                    attention_section(opts.tiny)
+                elif name in ("8b", "1b"):
+                    shape = "llama-3.1-8b" if name == "8b" else "llama-3.2-1b"
+                    shapes_section(shape, "decode,verify,spec" if name == "8b"
+                                   else "decode,verify", opts.tiny)
+                elif name == "flags":
+                    flags_section(opts.tiny)
+                else:
+                    failures += kernel_timings(opts, iters)
             except Exception as e:  # noqa: BLE001 - report every failure, then exit 1
                 failures.append(name)
                 print(f"  FAIL {name}: {type(e).__name__}: {e}", flush=True)
                 if not isinstance(e, CheckFailed):
-                    traceback.print_exc(limit=-3)
-        if not opts.no_timing and not (opts.interpret and not opts.quick):
-            print("\n== timing (median of jitted calls; first call includes compile) ==")
-            header = (f"  {'kernel':<16} {'shape':<44} {'pallas us':>10} {'ref us':>10} "
-                      f"{'speedup':>8} {'compile s (k/r)':>16}")
-            print(header)
-            for kind, label, params in timing_cases(opts.quick):
-                if opts.interpret and kind != "sampling":
-                    continue  # interpret-mode dry run: a single cheap family
-                if opts.interpret:
-                    params = {**params, "V": 257, "B": min(params["B"], 4)}
-                    label = "B={B} D={D} V={V} (interpret)".format(**params)
-                try:
-                    (kc, kt), (rc, rt) = time_case(kind, params, iters)
-                    print(f"  {kind:<16} {label:<44} {kt:>10.1f} {rt:>10.1f} {rt / kt:>7.2f}x "
-                          f"{kc:>7.1f}/{rc:<7.1f}", flush=True)
-                except Exception as e:  # noqa: BLE001
-                    failures.append(f"timing {kind} {label}")
-                    print(f"  {kind:<16} {label:<44} FAILED: {type(e).__name__}: {e}",
-                          flush=True)
-                if opts.interpret:
-                    break
-        print(f"\ntotal {time.perf_counter() - t_start:.0f} s")
+                    traceback.print_exc(limit=-4)
+            print(f"   ({name}: {time.perf_counter() - t0:.0f} s, "
+                  f"{time.perf_counter() - t_start:.0f} s so far)", flush=True)
     notes = sorted({f"{w.category.__name__}: {w.message}" for w in caught
                     if "pallas" in str(w.message).lower() or "triton" in str(w.message).lower()})
     for note in notes:
@@ -470,8 +617,50 @@ def main(argv=None) -> int:
     if failures:
         print(f"\nFAILED ({len(failures)}): " + "; ".join(failures))
         return 1
-    print("\nall kernel checks passed")
+    print("\nall sections passed")
     return 0
+
+
+def run_checks(opts) -> list[str]:
+    failures = []
+    for name, fn in CHECKS:
+        if INTERPRET and "32k" in name and (opts.quick or opts.tiny):
+            print(f"  SKIP {name} (interpret, --quick / --tiny)")
+            continue
+        t0 = time.perf_counter()
+        try:
+            detail = fn()
+            print(f"  ok   {name}: {detail} ({time.perf_counter() - t0:.1f} s)", flush=True)
+        except Exception as e:  # noqa: BLE001 - report every failure
+            failures.append(name)
+            print(f"  FAIL {name}: {type(e).__name__}: {e}", flush=True)
+            if not isinstance(e, CheckFailed):
+                traceback.print_exc(limit=-3)
+    return failures
+
+
+def kernel_timings(opts, iters) -> list[str]:
+    """The kernel-vs-reference table (median wall time per jitted call, dispatch included)."""
+    failures = []
+    header = (f"  {'kernel':<16} {'shape':<44} {'pallas us':>10} {'ref us':>10} "
+              f"{'speedup':>8} {'compile s (k/r)':>16}")
+    print(header)
+    for kind, label, params in timing_cases(opts.quick):
+        if INTERPRET and kind != "sampling":
+            continue  # interpret-mode dry run: a single cheap family
+        if INTERPRET:
+            params = {**params, "V": 257, "B": min(params["B"], 4)}
+            label = "B={B} D={D} V={V} (interpret)".format(**params)
+        try:
+            (kc, kt), (rc, rt) = time_case(kind, params, iters)
+            print(f"  {kind:<16} {label:<44} {kt:>10.1f} {rt:>10.1f} {rt / kt:>7.2f}x "
+                  f"{kc:>7.1f}/{rc:<7.1f}", flush=True)
+        except Exception as e:  # noqa: BLE001
+            failures.append(f"timing {kind} {label}")
+            print(f"  {kind:<16} {label:<44} FAILED: {type(e).__name__}: {e}", flush=True)
+        if INTERPRET:
+            break
+    return failures
 
 
 if __name__ == "__main__":

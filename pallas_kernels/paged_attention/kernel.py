@@ -2,13 +2,15 @@
 
 Same contract as `paged_attention_reference`. Grid (request, kv head, row block, split): the
 request's T query tokens times the G query heads sharing a kv head make T*G rows, cut into
-blocks of `rows_per_block` (a power of two, 16..64 by default). A program walks
+blocks of `rows_per_block` (a power of two, 16..128 by default). A program walks
 `pages_per_step` pages of the block table at a time, only between the first page the sliding
 window lets its rows see and the last page they can see (causal, and below `context_lens`:
 never the whole table), gathering those pages' K/V rows for its kv head straight from the pool
 at `layer`, and keeps an online softmax (running max, running sum, unnormalised output) in
-float32. With `num_splits` > 1 the pages are split among programs and the partial results are
-merged afterwards (log-sum-exp weights), which keeps a GPU busy when batch x kv heads is small.
+float32. With `num_splits` > 1 the pages a row block can see (from its context length and
+window, not the table's width) are dealt out evenly among that many programs and the partial
+results are merged afterwards (log-sum-exp weights: flash-decoding), which keeps a GPU busy
+when batch x kv heads is small, whatever the context.
 Masks: causal on positions, sliding window (`window`, traced or static), keys below the
 request's context length; rows that see no key give zeros.
 
@@ -45,29 +47,52 @@ def _is_pow2(n: int) -> bool:
     return n >= 1 and n & (n - 1) == 0
 
 
-def _attention_kernel(q_ref, pos_ref, tree_ref, k_ref, v_ref, bt_ref, lo_ref, hi_ref, layer_ref,
-                      window_ref, rs_ref, acc_ref, m_ref, l_ref, *, bs: int, P: int,
-                      groups_per_split: int, n_groups: int, scale: float):
-    """tree_ref/rs_ref: the rows' tree bitmasks [BR] and the run starts [B], or None (no
-    tree: the plain causal kernel)."""
+def _attention_kernel(q_ref, qpos_ref, tree_ref, k_ref, v_ref, bt_ref, ctx_ref, layer_ref,
+                      window_ref, acc_ref, m_ref, l_ref, *, bs: int, P: int, num_splits: int,
+                      n_groups: int, scale: float, T: int, G: int, BR: int):
+    """q_ref: the queries `[B, T*H, hd]` (a free reshape of `[B, T, H, hd]`); qpos_ref: their
+    positions `[B, T]`; tree_ref: the tree bitmasks `[B, T]`, or None (no tree: the plain
+    causal kernel). A program finds its own rows in them: everything a step passes in is a
+    view of the caller's arrays, so no XLA op runs before the kernel."""
     b, h, rb, s = (pl.program_id(0), pl.program_id(1), pl.program_id(2), pl.program_id(3))
     KB = P * bs
-    q = q_ref[...]                      # [BR, hd]: this block's query rows
-    pos = pos_ref[...]                  # [BR] (padding rows: -1, they see nothing)
+    H = q_ref.shape[1] // T
+    # Row r of this kv head is query token t = r // G, query head h * G + r % G (heads-major,
+    # as dense_attention orders them); rows past T * G pad the block and see nothing.
+    r = rb * BR + jnp.arange(BR, dtype=jnp.int32)
+    real = r < T * G
+    t = jnp.minimum(r // G, T - 1)
+    q = q_ref[b, t * H + h * G + r % G, :]            # [BR, hd]
+    pos = jnp.where(real, qpos_ref[b, t], -1)          # [BR]
     layer = layer_ref[0]
     window = window_ref[0]
-    if tree_ref is not None:
-        tree_rows = tree_ref[...]       # [BR] int32 bitmasks (padding rows: 0)
-        run_start = rs_ref[b]
+    context = ctx_ref[b]
     # Keys in [lo, hi) are all some row of this block may see: hi = min(context, last
     # position + 1) (causal; with a tree: context), lo = first position + 1 - window (with a
     # tree: at most run_start). Pages outside are skipped.
-    lo = lo_ref[b, rb]
-    hi = hi_ref[b, rb]
+    first_pos = jnp.min(jnp.where(real, pos, jnp.iinfo(jnp.int32).max))
+    last_pos = jnp.max(pos)
+    if tree_ref is None:
+        lo = jnp.maximum(first_pos - window + 1, 0)
+        hi = jnp.minimum(context, last_pos + 1)
+    else:
+        # Tree rows' positions (run_start + depth) are below their slots (run_start + i): the
+        # range runs to the context's end, and from no later than the root's slot (run keys
+        # get no window test).
+        tree_rows = jnp.where(real, tree_ref[b, t], 0)  # [BR] int32 bitmasks
+        run_start = qpos_ref[b, 0]
+        lo = jnp.maximum(jnp.minimum(first_pos - window + 1, run_start), 0)
+        hi = context
     R, hd = q.shape
 
-    g_lo = jnp.maximum(s * groups_per_split, lo // KB)
-    g_hi = jnp.minimum(jnp.minimum((s + 1) * groups_per_split, n_groups), (hi + KB - 1) // KB)
+    # The groups this block's rows can see, [first, last), are dealt out evenly to the
+    # `num_splits` programs: the chunk each program reads follows the request's context, not
+    # the table's width (a 1k context in a 16k table keeps every split busy).
+    first = lo // KB
+    last = jnp.maximum(first, jnp.minimum((hi + KB - 1) // KB, n_groups))
+    per = (last - first + num_splits - 1) // num_splits
+    g_lo = first + s * per
+    g_hi = jnp.minimum(g_lo + per, last)
 
     def body(g, carry):
         acc, m, l = carry
@@ -118,8 +143,16 @@ def default_pages_per_step(tokens_per_block: int, max_blocks: int) -> int:
 
 
 def default_rows_per_block(rows: int) -> int:
-    """Query rows (tokens x heads per kv head) per program: a power of two in [16, 64]."""
-    return min(64, max(16, _next_pow2(rows)))
+    """Query rows (tokens x heads per kv head) per program: a power of two in [16, 128]. Up
+    to 128 rows share one read of their kv head's pages (a 16-node tree's 17 tokens x 4 query
+    heads = 68 rows: one block, not two reading every page twice)."""
+    return min(128, max(16, _next_pow2(rows)))
+
+
+def default_num_warps(rows_per_block: int) -> int:
+    """8 warps for 128-row blocks (their float32 accumulator alone is 128 x hd values: 64
+    registers a thread at hd 128 over 8 warps, 128 over 4), else 4."""
+    return 8 if rows_per_block >= 128 else 4
 
 
 def compiled_supported(q_shape, pool_shape, pages_per_step: int | None = None) -> bool:
@@ -144,57 +177,31 @@ def _paged_attention(q, k_pool, v_pool, layer, block_tables, q_positions, contex
     M = block_tables.shape[1]
     P = pages_per_step
     n_groups = pl.cdiv(M, P)
-    groups_per_split = pl.cdiv(n_groups, num_splits)
-    S = pl.cdiv(n_groups, groups_per_split)
+    S = num_splits
     BR = rows_per_block
     RB = pl.cdiv(T * G, BR)
     R = RB * BR
 
-    # Heads-major rows t*G + g per kv head, as dense_attention orders them.
-    qh = q.reshape(B, T, KV, G, hd).transpose(0, 2, 1, 3, 4).reshape(B, KV, T * G, hd)
-    qh = jnp.pad(qh, ((0, 0), (0, 0), (0, R - T * G), (0, 0)))
-    pos = jnp.repeat(q_positions.astype(jnp.int32), G, axis=1)
-    pos = jnp.pad(pos, ((0, 0), (0, R - T * G)), constant_values=-1)
+    # Only views and scalars go in (a reshape of q, the tables as they are when M is a
+    # multiple of P): each program finds its rows, their positions and masks itself.
     tables = jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, n_groups * P - M)))
     window = jnp.asarray(window, jnp.int32).reshape(1)
-    # Per row block: the key positions [lo, hi) any of its rows can see.
-    real = (jnp.arange(R) < T * G).reshape(RB, BR)
-    blocks = pos.reshape(B, RB, BR)
-    first = jnp.min(jnp.where(real, blocks, jnp.iinfo(jnp.int32).max), axis=2)
-    last = jnp.max(jnp.where(real, blocks, -1), axis=2)
-    if not tree:
-        lo = jnp.maximum(first - window[0] + 1, 0)
-        hi = jnp.minimum(context_lens.astype(jnp.int32)[:, None], last + 1)
-    else:
-        # Tree rows' positions (run_start + depth) are below their slots (run_start + i): the
-        # range runs to the context's end, and from no later than the root's slot (run keys
-        # get no window test).
-        run_start = q_positions[:, 0].astype(jnp.int32)
-        lo = jnp.maximum(jnp.minimum(first - window[0] + 1, run_start[:, None]), 0)
-        hi = jnp.broadcast_to(context_lens.astype(jnp.int32)[:, None], (B, RB))
-        tree_rows = jnp.repeat(tree_mask.astype(jnp.int32), G, axis=1)
-        tree_rows = jnp.pad(tree_rows, ((0, 0), (0, R - T * G)))
     layer = jnp.asarray(layer, jnp.int32).reshape(1)
-
-    kernel = functools.partial(_attention_kernel, bs=bs, P=P, groups_per_split=groups_per_split,
-                               n_groups=n_groups, scale=hd ** -0.5)
-    whole = pl.BlockSpec()
-    rows_spec = pl.BlockSpec((None, BR), lambda b, h, r, s: (b, r))
+    kernel = functools.partial(_attention_kernel, bs=bs, P=P, num_splits=S, n_groups=n_groups,
+                               scale=hd ** -0.5, T=T, G=G, BR=BR)
+    inputs = [q.reshape(B, T * H, hd), q_positions.astype(jnp.int32)]
     if tree:
         body = kernel
-        inputs = (qh, pos, tree_rows, k_pool, v_pool, tables, lo, hi, layer, window, run_start)
-        extra_specs = [rows_spec]
+        inputs.append(tree_mask.astype(jnp.int32))
     else:
-        def body(q_ref, pos_ref, *refs):
-            return kernel(q_ref, pos_ref, None, *refs[:7], None, *refs[7:])
-        inputs = (qh, pos, k_pool, v_pool, tables, lo, hi, layer, window)
-        extra_specs = []
+        def body(q_ref, qpos_ref, *refs):
+            return kernel(q_ref, qpos_ref, None, *refs)
+    inputs += [k_pool, v_pool, tables, context_lens.astype(jnp.int32), layer, window]
+    whole = pl.BlockSpec()
     acc, m, l = pl.pallas_call(
         body,
         grid=(B, KV, RB, S),
-        in_specs=[pl.BlockSpec((None, None, BR, hd), lambda b, h, r, s: (b, h, r, 0)),
-                  rows_spec, *extra_specs, whole, whole, whole, whole, whole, whole, whole,
-                  *([whole] if tree else [])],
+        in_specs=[whole] * len(inputs),
         out_specs=[pl.BlockSpec((None, None, None, BR, hd), lambda b, h, r, s: (b, h, s, r, 0)),
                    pl.BlockSpec((None, None, None, BR), lambda b, h, r, s: (b, h, s, r)),
                    pl.BlockSpec((None, None, None, BR), lambda b, h, r, s: (b, h, s, r))],
@@ -221,14 +228,16 @@ def paged_attention_kernel(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
                            window: jax.Array | int = NO_WINDOW,
                            tree_mask: jax.Array | None = None, *, interpret: bool | None = None,
                            pages_per_step: int | None = None, num_splits: int | None = None,
-                           rows_per_block: int | None = None, num_warps: int = 4,
+                           rows_per_block: int | None = None, num_warps: int | None = None,
                            num_stages: int = 2) -> jax.Array:
     """The Pallas kernel; arguments and result as `paged_attention_reference`.
 
     `pages_per_step`: block-table pages per loop step (a power of two; default about 64 keys).
-    `num_splits`: programs sharing one (request, kv head, row block)'s pages (default: enough
-    programs for a GPU when compiled, 1 in interpret mode). `rows_per_block`: query rows
-    (tokens x query heads of one kv head) per program (a power of two; default 16..64).
+    `num_splits`: programs sharing one (request, kv head, row block)'s pages, each reading
+    an equal share of the pages its rows can see (default: enough programs for a GPU when
+    compiled, 1 in interpret mode). `rows_per_block`: query rows (tokens x query heads of one
+    kv head) per program (a power of two; default 16..128). `num_warps`: default by the
+    block's rows (`default_num_warps`).
     `tree_mask`: the draft-tree mask (see the reference); None compiles the plain causal kernel.
     """
     B, T, H, hd = q.shape
@@ -249,5 +258,6 @@ def paged_attention_kernel(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
     return _paged_attention(q, k_pool, v_pool, layer, block_tables, q_positions, context_lens,
                             window, tree_mask, tree=tree_mask is not None,
                             interpret=bool(interpret), pages_per_step=P,
-                            num_splits=num_splits, rows_per_block=BR, num_warps=num_warps,
+                            num_splits=num_splits, rows_per_block=BR,
+                            num_warps=num_warps or default_num_warps(BR),
                             num_stages=num_stages)

@@ -1,9 +1,10 @@
-"""`python -m specjax.bench decode|spec|verify|sampling|trees|serving|cpu|tp|structured ...`: benchmarks that print their figures,
+"""`python -m specjax.bench decode|spec|verify|sampling|trees|serving|xla|tp|structured|shapes ...`: benchmarks that print their figures,
 each table followed by a legend of its columns. `python -m specjax.bench COMMAND --help` says
 what one measures and its options."""
 import argparse
 
-from specjax.bench import cpu, decode, sampling, serving, spec, structured, tp, trees, verify
+from specjax.bench import (decode, sampling, serving, shapes, spec, structured, tp, trees,
+                           verify, xla)
 from specjax.cli import HelpFormatter
 
 EPILOG = """\
@@ -29,7 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 MODULES = {"decode": decode, "spec": spec, "verify": verify, "sampling": sampling,
            "trees": trees, "serving": serving,
-           "cpu": cpu, "tp": tp, "structured": structured}
+           "xla": xla, "tp": tp, "structured": structured, "shapes": shapes}
 
 
 def main(argv=None) -> int:

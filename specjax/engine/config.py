@@ -149,7 +149,7 @@ class EngineConfig:
     # unrolled (L copies: warm-up about 20% longer on the bundled model; see
     # `specjax.models.llama`). None: unrolled on CPU, where XLA copies each scanned layer's
     # weights out of the stack before its matmuls, so a memory-bound step reads every weight
-    # twice (`python -m specjax.bench cpu`); scanned on accelerators.
+    # twice (`python -m specjax.bench xla`); scanned on accelerators.
     scan_layers: bool | None = None
 
     def __post_init__(self):

@@ -7,7 +7,7 @@ whatever the depth -- what keeps compiling a step a matter of seconds. Unstacked
 every program). `model.for_inference()`, what the engine runs, fuses q/k/v and gate/up
 (`specjax.models.fused`) in either layout: stacked by default, unrolled with
 `scan_layers=False` -- the engine's default on CPU, where XLA copies a scanned layer's weights
-out of the stack before its matmuls (`python -m specjax.bench cpu` times the layouts).
+out of the stack before its matmuls (`python -m specjax.bench xla` times the layouts).
 
 The layer body takes an `attend` callback: the dense reference forward here plugs in causal
 attention over the run itself; the paged engine plugs in attention over its KV pool, reusing

@@ -370,3 +370,47 @@ def test_trees_compares_the_chain_with_both_tree_acceptances():
     assert all(dict(c.draft_len_schedule) == {1: 3} for c in runs.values())  # full depth
     with pytest.raises(SystemExit, match="no EAGLE-3 head"):
         trees.configs("random-28m", 3, 2, 5)
+
+
+def test_shapes_rejects_an_unknown_section_before_building_a_model(monkeypatch):
+    from specjax.bench import shapes
+    monkeypatch.setattr(shapes, "random_model", lambda *a: (_ for _ in ()).throw(Loaded))
+    with pytest.raises(SystemExit, match="unknown.*'spc'"):
+        main(["shapes", "--shape", "tiny", "--sections", "decode,spc"])
+
+
+def test_shapes_decode_prints_the_step_against_its_floors(capsys):
+    """The tiny shape's decode section: one row per batch size, each step above its floors
+    (a step reads at least its weights), the legend after it."""
+    main(["shapes", "--shape", "tiny", "--sections", "decode", "--batch-sizes", "1", "2",
+          "--position", "32"])
+    out = capsys.readouterr().out
+    rows = [line.split() for line in out.splitlines() if re.match(r"\s*[12]\s+\d", line)]
+    assert [int(r[0]) for r in rows] == [1, 2], out
+    for r in rows:
+        step, floor, ratio, kv_floor = map(float, r[1:5])
+        assert kv_floor >= floor > 0 and ratio == pytest.approx(step / floor, rel=0.02)
+    assert "x floor: step / floor" in out
+
+
+def test_real_shapes_are_the_published_llama_sizes():
+    from specjax.bench.shapes import SHAPES
+    assert round(SHAPES["llama-3.2-1b"].num_params / 1e9, 2) == 1.24
+    assert round(SHAPES["llama-3.1-8b"].num_params / 1e9, 2) == 8.03
+
+
+def test_xla_rejects_an_unknown_layout_before_starting_children(monkeypatch):
+    import subprocess
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: (_ for _ in ()).throw(Loaded))
+    with pytest.raises(SystemExit, match="unknown.*'scanned'"):
+        main(["xla", "--layouts", "scan,scanned"])
+
+
+@pytest.mark.slow
+def test_xla_times_each_candidate_in_its_child_and_checks_its_greedy_output(capsys):
+    main(["xla", "--shape", "tiny", "--flags=", "--flags=--xla_cpu_use_xnnpack=false",
+          "--layouts", "unrolled", "--batch-sizes", "1", "--position", "32"])
+    out = capsys.readouterr().out
+    rows = [l for l in out.splitlines() if l.startswith(("(defaults)", "--xla_cpu"))]
+    assert len(rows) == 2 and all(r.endswith("same") for r in rows), out
+    assert re.search(r"^unrolled\s+\d", out, re.M), out

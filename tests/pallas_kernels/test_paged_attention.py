@@ -133,6 +133,21 @@ def test_kernel_matches_reference(kernel_fn, window, config):
     assert np.all(np.asarray(out[3]) == 0)  # context_len 0: zeros
 
 
+@pytest.mark.parametrize("num_splits", [5, 16])
+def test_splits_share_the_context_not_the_table(kernel_fn, num_splits):
+    """A block table four times wider than the longest context, split among more programs
+    than some rows have pages (and a count that divides nothing): each program takes an
+    equal share of the pages its rows can see, none is read twice or skipped, and the padding
+    entries (NaN null block) are never read."""
+    window = 6
+    q, k, v, tables, positions, context, (k_clean, v_clean) = ragged_setup(
+        RAGGED, T=7, M=20, poison=window)
+    ref = reference_fn(q, k_clean, v_clean, 1, tables, positions, context, window)
+    out = kernel_fn(1, num_splits)(q, k, v, 1, tables, positions, context, window)
+    assert np.all(np.isfinite(np.asarray(out)))
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-6, rtol=1e-5)
+
+
 def test_kernel_reads_only_pages_it_needs(kernel_fn):
     """NaN in the null block (padding entries) and in pages wholly before the sliding window:
     the kernel never loads them (one page per step: the skipped range is exact to the page)
