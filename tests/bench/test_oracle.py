@@ -36,9 +36,10 @@ def reference(model):
 
 
 def test_each_step_accepts_exactly_the_right_drafts(model, reference):
-    """correct = 2: a step of D = 2 accepts both drafts and a step of D = 3 two of three, so
-    every decode step emits 3 tokens (the last one what is left of N); the output stays the
-    plain greedy one; two identical prompts in one batch both follow the reference."""
+    """correct = 2: a step of D = 1 accepts its draft (2 tokens a step), D = 2 both drafts
+    and D = 3 two of three (3 tokens a step; the last step what is left of N), each step
+    verifying D drafts; the output stays the plain greedy one; two identical prompts in one
+    batch both follow the reference."""
     head = Eagle3Head(Eagle3HeadConfig.for_target(model.config), nnx.Rngs(1))
     original = WORKERS[SpeculativeDecodingMode.EAGLE3_ONE_MODEL]
     with oracle_drafts(reference, correct=2):
@@ -47,11 +48,15 @@ def test_each_step_accepts_exactly_the_right_drafts(model, reference):
                                                  use_rejection_sampling=False))
     assert WORKERS[SpeculativeDecodingMode.EAGLE3_ONE_MODEL] is original
     assert isinstance(llm.engine.speculation.worker, OracleEagle3Worker)
-    for D in (2, 3):
+    for D in (1, 2, 3):
         llm.engine.pinned_draft_len = D
+        per_step = min(2, D) + 1
         for out in llm.generate([PROMPT, PROMPT], greedy(N)):
+            st = out.stats
             assert list(out.token_ids) == reference[len(PROMPT):len(PROMPT) + N], D
-            assert out.stats.decoding_iterations - 1 == math.ceil((N - 1) / 3), D
+            assert st.decoding_iterations - 1 == math.ceil((N - 1) / per_step), D
+            assert st.num_draft_tokens >= D * (st.num_steps_with_drafts - 1), D
+            assert st.num_draft_tokens <= D * st.num_steps_with_drafts, D
     assert llm.engine.allocator.num_free_blocks == llm.engine.allocator.num_blocks - 1
 
 
