@@ -95,11 +95,6 @@ def random_model(config: ModelConfig, seed: int = 0) -> Llama:
     return Llama(config, rngs=nnx.Rngs(seed))
 
 
-def kv_bytes_per_token(config: ModelConfig) -> int:
-    return (2 * config.num_layers * config.num_kv_heads * config.head_dim
-            * np.dtype(config.dtype).itemsize)
-
-
 def _engine(model: Llama, batch: int, max_len: int, **kw) -> LLM:
     # A pool just large enough (the default takes half the free memory: minutes of zeros at
     # 8B on a 140 GB GPU for nothing).
@@ -126,10 +121,10 @@ def decode_section(model: Llama, args, bandwidth: float) -> None:
     print(f"\n-- decode: {weights / 1e9:.2f} GB of weights a step reads, copy bandwidth "
           f"{bandwidth / 1e9:.0f} GB/s, position {args.position}")
     print(tab.header())
+    floor = weights / bandwidth
     for b in batches:
         t = time_generation_steps(llm.engine, b, [1], args.position)[0]
-        floor = weights / bandwidth
-        kv_floor = (weights + b * args.position * kv_bytes_per_token(cfg)) / bandwidth
+        kv_floor = (weights + b * args.position * cfg.kv_bytes_per_token) / bandwidth
         print(tab.row(b, t * 1e3, floor * 1e3, t / floor, kv_floor * 1e3, t / kv_floor, b / t),
               flush=True)
     print(tab.legend())

@@ -23,6 +23,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from specjax.bench.shapes import SHAPES
+
 # Candidate flag sets, each added to specjax's defaults. Flags the installed jaxlib does not
 # know make its child fail; that row then says so.
 CPU_CANDIDATES = [
@@ -55,9 +57,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--flags", action="append", default=None,
                         help="an XLA flag set to time (repeatable; default: the platform's "
                              "candidates)")
-    parser.add_argument("--shape", default=None,
-                        help="a random model of this shape (specjax.bench.shapes: "
-                             "llama-3.2-1b, llama-3.1-8b, tiny) instead of the 27.8M checkpoint")
+    parser.add_argument("--shape", default=None, choices=sorted(SHAPES),
+                        help="a random model of this shape (specjax.bench.shapes) instead of "
+                             "the 27.8M checkpoint")
     parser.add_argument("--position", type=int, default=80,
                         help="the context position the compiled steps are timed at")
     parser.add_argument("--layouts", default=",".join(LAYOUTS),
@@ -72,7 +74,7 @@ def _child(model_arg: str, position: int, layouts: list[str], batches: list[int]
     from flax import nnx
 
     from specjax.analysis.timing import time_generation_steps
-    from specjax.bench.shapes import SHAPES, random_model
+    from specjax.bench.shapes import random_model
     from specjax.core import Params
     from specjax.llm import LLM
     from specjax.sampling_params import SamplingParams

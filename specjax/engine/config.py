@@ -7,7 +7,6 @@ import logging
 import os
 
 import jax
-import numpy as np
 from jax.sharding import Mesh
 
 from specjax.core.recurrent import check_commit_mode
@@ -111,8 +110,7 @@ def kv_sizing(config: EngineConfig, speculation, max_len: int, mc: ModelConfig |
     typical = -(-(min(max_len, TYPICAL_CONTEXT) - 1 + reserve) // config.tokens_per_block)
     wanted = config.max_batch_size * typical
     if mc is not None and free is not None:
-        block_bytes = (2 * len(mc.kv_layers) * config.tokens_per_block * mc.num_kv_heads
-                       * mc.head_dim * np.dtype(mc.dtype).itemsize)
+        block_bytes = config.tokens_per_block * mc.kv_bytes_per_token
         wanted = min(wanted, int(free * config.kv_memory_fraction) // block_bytes)
     return blocks_per_seq, max(wanted, blocks_per_seq) + 1
 

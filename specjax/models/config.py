@@ -10,6 +10,8 @@ import json
 import os
 from typing import Any
 
+import numpy as np
+
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "bamba")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -139,6 +141,12 @@ class ModelConfig:
         """The layers that attend (and hold K/V in the pool), in order."""
         return tuple(i for i in range(self.num_layers)
                      if self.layer_types is None or self.layer_types[i] == ATTENTION)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of K and V one token holds in the pool, over every attending layer."""
+        return (2 * len(self.kv_layers) * self.num_kv_heads * self.head_dim
+                * np.dtype(self.dtype).itemsize)
 
     @property
     def recurrent_layers(self) -> tuple[int, ...]:

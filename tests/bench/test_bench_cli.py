@@ -404,6 +404,9 @@ def test_xla_rejects_an_unknown_layout_before_starting_children(monkeypatch):
     monkeypatch.setattr(subprocess, "run", lambda *a, **k: (_ for _ in ()).throw(Loaded))
     with pytest.raises(SystemExit, match="unknown.*'scanned'"):
         main(["xla", "--layouts", "scan,scanned"])
+    with pytest.raises(SystemExit) as exc:
+        main(["xla", "--shape", "llama-7b"])
+    assert exc.value.code == 2  # argparse: invalid choice
 
 
 @pytest.mark.slow
