@@ -98,12 +98,15 @@ class LLM:
         split = config.tensor_parallel() is not None
         reading = (jax.default_device(jax.local_devices(backend="cpu")[0]) if split
                    else contextlib.nullcontext())
+        # AUTO is resolved here, once: it prefers a drafter shipped for the model (an instance
+        # ships none, so the heuristic decides).
+        speculative_config = resolve_auto(speculative_config,
+                                          None if isinstance(model, Llama) else model,
+                                          max_batch_size)
         if isinstance(model, Llama):
             self.model_path = None
         else:
-            # AutoConfig prefers a drafter shipped for the model; LLM("bundled",
-            # speculative_config=EagleConfig()) reads the shipped head.
-            speculative_config = resolve_auto(speculative_config, model, max_batch_size)
+            # LLM("bundled", speculative_config=EagleConfig()) reads the shipped head.
             speculative_config = with_shipped_drafter(speculative_config, model)
             self.model_path = resolve_model_path(model)
             with reading:
@@ -131,10 +134,15 @@ class LLM:
         exit). Nothing to do on one process."""
         self.engine.executor.close()
 
-    def warmup(self, progress: bool | None = None) -> None:
+    def warmup(self, progress: bool | None = None, background: bool = False) -> None:
         """Compile every step shape serving can use now (or load it from the compilation
-        cache), so that generating never compiles afterwards."""
-        self.engine.warmup(progress=self.progress if progress is None else progress)
+        cache), so that generating never compiles afterwards, and measure the step costs the
+        cost model chooses draft lengths by. `background=True` returns at once and compiles
+        on a thread while `generate` runs (a step compiles what it needs first, or waits for
+        its compile under way; none compiles twice); the server starts this way. One process
+        only."""
+        self.engine.warmup(progress=self.progress if progress is None else progress,
+                           background=background)
 
     def measure_costs(self, repeats: int = 7):
         """Time every compiled generation step again (after the machine's load changed): the
@@ -202,6 +210,7 @@ class LLM:
         encoded = [self.encode(p) for p in prompts]
         for ids, params in zip(encoded, sampling_params):
             self.engine.validate(ids, params)
+        self.engine.background_work(idle=False)   # a background warm-up waits meanwhile
         ids = [self.engine.add_request(e, p) for e, p in zip(encoded, sampling_params)]
         order = {rid: i for i, rid in enumerate(ids)}
         results: list[RequestOutput | None] = [None] * len(ids)
@@ -211,4 +220,5 @@ class LLM:
                     if out.finished and out.request_id in order:
                         results[order[out.request_id]] = out
                         bar.update()
+        self.engine.background_work(idle=True)
         return results

@@ -191,7 +191,7 @@ def spec_section(model: Llama, args) -> None:
                              use_rejection_sampling=False)
         llm = _engine(model, 1, max_len, speculative_config=config)
     for D in args.draft_lens:
-        llm.engine.pinned_draft_len = D
+        llm.engine.length_policy.pinned = D
         llm.generate([prompt], greedy(8))  # compile this length
         outs = llm.generate([prompt], greedy(args.max_tokens))
         o = outs[0]

@@ -3,7 +3,7 @@
 For each method (--config; default EAGLE-3 and NGram), each --temperatures value and each
 --batch-sizes value: tokens/s of plain decoding (an engine without speculation), of the method
 pinned at each fixed draft length in --fixed and at 0 (one engine,
-`Engine.pinned_draft_len`; at 0 the drafter still keeps up with every token), and of
+`DraftLengthPolicy.pinned`; at 0 the drafter still keeps up with every token), and of
 the method as it runs by default -- the cost model choosing each step's draft length
 (`specjax.speculative.cost_model`; its own engine, so the pinned runs teach it nothing). Runs
 alternate; each keeps the fastest of --repeats. A batch size B runs max(B, 8) requests, B at a
@@ -109,11 +109,11 @@ def run(args: argparse.Namespace) -> None:
         auto = LLM(str(path), speculative_config=config, **common)
         name = type(config).__name__.replace("Config", "")
         print(f"\n== {name} (max_draft_len {config.max_draft_len}): step costs measured at "
-              f"warm-up (the auto engine's)\n{auto.engine.costs.format()}")
+              f"warm-up (the auto engine's)\n{auto.engine.length_policy.costs.format()}")
         for temperature in temperatures:
             greedy = temperature == 0
             # Sampled requests name no seed: a named one pins its steps at the configured
-            # length (its text must repeat; `Engine._length_decides_output`).
+            # length (its text must repeat; `DraftLengthPolicy.decides_output`).
             params = SamplingParams(max_tokens=args.max_tokens, temperature=temperature,
                                     ignore_eos=True)
             print(f"\n{name}, {'greedy' if greedy else f'temperature {temperature:g}'}: tok/s")
@@ -128,7 +128,7 @@ def run(args: argparse.Namespace) -> None:
                 reference, exact, steps, al = None, True, None, None
                 for _ in range(args.repeats):
                     for key, llm, pin in variants:
-                        llm.engine.pinned_draft_len = pin
+                        llm.engine.length_policy.pinned = pin
                         llm.reset_stats()
                         outs, seconds = _run(llm, work, params, B)
                         tps = sum(len(o.token_ids) for o in outs) / seconds
@@ -148,7 +148,7 @@ def run(args: argparse.Namespace) -> None:
                       f"{al or 0:5.2f} {'yes' if exact else 'NO' if greedy else '-':>6}",
                       flush=True)
         print(f"\nthe auto engine's step costs after the runs (observed: median of real "
-              f"iterations)\n{auto.engine.costs.format()}")
+              f"iterations)\n{auto.engine.length_policy.costs.format()}")
     print("\nLegend: plain = an engine without speculation; D=d = the method with every "
           "step at d drafts (D=0: its engine decoding plainly, the drafter still keeping "
           "up with every token); auto = the method as it runs by default (the cost model picks "

@@ -117,13 +117,13 @@ def split_model(target: Llama, draft: nnx.Module | None = None, fused: bool = Tr
     """(the target's graph definition, `Params`) for the step functions, in the layout the
     steps run (`for_inference`: q/k/v and gate/up fused; layers stacked and scanned, or
     unrolled with `scan_layers=False`). `fused=False` keeps the target's projections apart:
-    what tensor parallelism splits (a fused matrix's columns would not split by heads)."""
+    what tensor parallelism splits (a fused matrix's columns would not split by heads).
+    `draft` is already in its own inference layout (`Speculation.draft_model`, made once with
+    the same `scan_layers`), which its worker's graph definition was taken from."""
     if fused:
         target = target.for_inference(scan_layers)
     else:
         target = target.restacked() if scan_layers else target.unstacked()
-    if draft is not None:
-        draft = draft.for_inference()
     graphdef, state = nnx.split(target)
     return graphdef, Params(
         target=nnx.to_pure_dict(state),

@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from pallas_kernels import backend
 from specjax.core import aux_state
 from specjax.core.accept import (rejection_accept, strict_accept, target_distributions,
                                  target_tokens)
@@ -43,15 +44,29 @@ from specjax.core.tree import relocate_path, tree_accept, tree_layout, tree_reje
 from specjax.core.worker import Drafts, DraftWorker, tree_of
 
 
-def _jit(step, tp: TensorParallel | None):
-    """The step jitted with its state donated; with `tp`, its outputs pinned to the shardings
-    its inputs came in with (`TensorParallel.pin`), so the next call does not compile."""
-    if tp is None:
-        return jax.jit(step, donate_argnums=(1,))
+def _jit(step, tp: TensorParallel | None, pallas: str | None):
+    """The step jitted with its state donated, traced under the kernel choice it was made with
+    (`pallas`); with `tp`, its outputs pinned to the shardings its inputs came in with
+    (`TensorParallel.pin`), so the next call does not compile."""
+    @functools.wraps(step)
+    def traced(params: Params, state: EngineState, batch: StepBatch):
+        with backend.forcing(pallas):
+            out = step(params, state, batch)
+        return out if tp is None else tp.pin(*out)
+    return jax.jit(traced, donate_argnums=(1,))
 
-    def on_mesh(params: Params, state: EngineState, batch: StepBatch):
-        return tp.pin(*step(params, state, batch))
-    return jax.jit(on_mesh, donate_argnums=(1,))
+
+def _cached(make):
+    """`make` cached by its arguments -- engines over one model share compiled steps -- and by
+    what `SPECJAX_PALLAS` forces when it is called (`backend.forced`), its `pallas` argument:
+    a step traces its kernels under that choice, so one made under another is never reused."""
+    cached = functools.lru_cache(maxsize=None)(make)
+
+    @functools.wraps(make)
+    def made(*args, **kwargs):
+        return cached(*args, pallas=backend.forced(), **kwargs)
+    made.cache_clear = cached.cache_clear
+    return made
 
 
 def runs_on_device(worker: DraftWorker | None, draft_len: int,
@@ -123,10 +138,10 @@ def record_prompt_chunk(history: SuffixState, batch: StepBatch, following: jax.A
     return record(history, batch.slots, batch.start_pos, seq, batch.query_lens + 1)
 
 
-@functools.lru_cache(maxsize=None)  # engines over one model share compiled steps
+@_cached
 def make_prefill_step(graphdef: nnx.GraphDef, worker: DraftWorker | None = None,
                       save_layers: tuple[int, ...] = (), suffix: SuffixSpec | None = None,
-                      tp: TensorParallel | None = None):
+                      tp: TensorParallel | None = None, *, pallas: str | None = None):
     """The jitted prompt-chunk step for targets of this graph definition. Each row's run is a
     chunk of its prompt; the output is the token sampled after each row's run (meaningful for
     rows whose run ends the prompt). An in-step drafter processes the same runs, so its pool
@@ -190,7 +205,7 @@ def make_prefill_step(graphdef: nnx.GraphDef, worker: DraftWorker | None = None,
                 PrefillOutput(tokens=tokens, hidden_states=captured if save_layers else None,
                               logprobs=logprobs, prompt_logprobs=prompt_logprobs).check(B, C))
 
-    return _jit(prefill, tp)
+    return _jit(prefill, tp, pallas)
 
 
 def rejection_rows(batch: StepBatch, slots: SlotState) -> tuple[bool, jax.Array]:
@@ -255,10 +270,10 @@ def accept_tree(logits: jax.Array, batch: StepBatch, slots: SlotState, parents: 
     return jax.lax.cond(jnp.any(by_rejection), sampled, lambda: walked)
 
 
-@functools.lru_cache(maxsize=None)  # engines over one model share compiled steps
+@_cached
 def make_generation_step(graphdef: nnx.GraphDef, worker: DraftWorker | None = None,
                          save_layers: tuple[int, ...] = (), suffix: SuffixSpec | None = None,
-                         tp: TensorParallel | None = None):
+                         tp: TensorParallel | None = None, *, pallas: str | None = None):
     """The jitted generation step: verify each row's run, accept, and -- with an in-step
     drafter or SA -- draft the next one. One skeleton for chains and trees, which differ only
     in their layout, their acceptance and what the worker hands back:
@@ -345,4 +360,4 @@ def make_generation_step(graphdef: nnx.GraphDef, worker: DraftWorker | None = No
                                  captured if save_layers else None, logprobs,
                                  proposed.confidence).check(B, D))
 
-    return _jit(generation, tp)
+    return _jit(generation, tp, pallas)

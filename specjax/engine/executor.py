@@ -28,6 +28,7 @@ from specjax.engine.bookkeeper import DispatchedStep, GenerationRow
 from specjax.engine.config import EngineConfig, bucket, power_of_two_buckets
 from specjax.engine.distributed import Channel, is_leader
 from specjax.engine.grammar import Grammars, mask_width
+from specjax.engine.programs import Programs
 from specjax.engine.progress import tqdm
 from specjax.engine.request import Request
 from specjax.engine.stats import EngineStats
@@ -79,6 +80,11 @@ class Executor:
                 jax.eval_shape(make_state)))
         self.graphdef = graphdef
         self.state = state = self.make_state()
+        # The state's shapes and placements, for compiling steps ahead of their first call
+        # (`programs`): never the buffers, which each step donates.
+        self._state_spec = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+        self.programs = Programs(self._compile)
         self.allocator = allocator
         self.steps = {"prefill": make_prefill_step(graphdef, worker, save_layers, suffix, tp),
                       "generation": make_generation_step(graphdef, worker, save_layers, suffix,
@@ -275,6 +281,7 @@ class Executor:
         return result
 
     def _step(self, kind: str, batch):
+        self.programs.ensure((kind,) + batch.tokens.shape)
         self.state, out = self.steps[kind](self.params, self.state, self._place(batch))
         return out
 
@@ -306,11 +313,15 @@ class Executor:
         self._update("start_penalties", slot, self._padded(tokens), prompt_len, len(tokens))
 
     def _start_penalties(self, slot, tokens, prompt_len, num_tokens) -> None:
+        self.programs.ensure(("start_penalties",))
         state = self.state
+        self.state = state.replace(penalties=self._pinned(start_penalties(
+            state.penalties, *self._penalty_args(slot, tokens, prompt_len, num_tokens))))
+
+    def _penalty_args(self, slot, tokens, prompt_len, num_tokens):
         rows, tokens, lens = self._place((np.asarray([slot], np.int32), tokens[None],
                                           np.asarray([[prompt_len], [num_tokens]], np.int32)))
-        self.state = state.replace(penalties=self._pinned(start_penalties(
-            state.penalties, rows, tokens, lens[0], lens[1])))
+        return rows, tokens, lens[0], lens[1]
 
     def start_history(self, slot: int, tokens: list[int]) -> None:
         """SA's token history of a request starting in `slot` whose `tokens` pass through no
@@ -318,11 +329,14 @@ class Executor:
         self._update("start_history", slot, self._padded(tokens), len(tokens))
 
     def _start_history(self, slot, tokens, count) -> None:
+        self.programs.ensure(("start_history",))
         state = self.state
-        rows, tokens, count = self._place((np.asarray([slot], np.int32), tokens[None],
-                                           np.asarray([count], np.int32)))
         self.state = state.replace(suffix=self._pinned(start_history(
-            state.suffix, rows, tokens, count)))
+            state.suffix, *self._history_args(slot, tokens, count))))
+
+    def _history_args(self, slot, tokens, count):
+        return self._place((np.asarray([slot], np.int32), tokens[None],
+                            np.asarray([count], np.int32)))
 
     def _pinned(self, tree):
         """Replicated again on a mesh, so the next step's signature does not change."""
@@ -375,17 +389,50 @@ class Executor:
 
     # -- warm-up (our stand-in for CUDA-graph capture) ------------------------------------
 
-    def warmup(self, generation_widths: set[tuple[int, int]], progress: bool = True) -> None:
-        """Compile the prefill step for every bucket and the generation step for every
-        (bucket, run width) in `generation_widths`, so serving itself never compiles."""
-        shapes = ([("prefill", rows, self.prefill_chunk) for rows in self.prefill_buckets]
-                  + [("generation", rows, width) for rows, width in sorted(generation_widths)])
-        for kind, rows, width in tqdm(shapes, desc="specjax warm-up", disable=not progress,
-                                      leave=False):
-            self.run_empty(rows, width, kind)
-        if self.suffix is not None:
-            self.start_history(self.spare_slot, [])
-        self.start_penalties(self.spare_slot, [], 0)
+    def program_keys(self, generation_shapes) -> list[tuple]:
+        """Every program serving can run, in the order the first requests need them: prompt
+        chunks, slot starts, then the generation shapes ((rows, width) pairs) in the order
+        given."""
+        keys = [("prefill", rows, self.prefill_chunk) for rows in self.prefill_buckets]
+        keys += [("start_penalties",)] + ([("start_history",)] if self.suffix else [])
+        return keys + [("generation", rows, width) for rows, width in generation_shapes]
+
+    def warmup(self, generation_shapes, progress: bool = True) -> None:
+        """Compile every program in `program_keys(generation_shapes)` now, so serving itself
+        never compiles."""
+        keys = self.program_keys(generation_shapes)
+        for key in tqdm(keys, desc="specjax warm-up", disable=not progress, leave=False):
+            if self.channel is None:
+                self.programs.ensure(key)
+            # Several processes: each compiles as it follows the leader's device updates.
+            elif key[0] == "start_penalties":
+                self.start_penalties(self.spare_slot, [], 0)
+            elif key[0] == "start_history":
+                self.start_history(self.spare_slot, [])
+            else:
+                self.run_empty(key[1], key[2], key[0])
+
+    def warmup_in_background(self, generation_shapes) -> None:
+        """Compile every program on a background thread (`Programs.start`) while steps run;
+        a step that needs one first compiles it, or waits for the compile under way."""
+        if self.channel is not None:
+            raise RuntimeError("a multi-process job warms up before serving (warmup())")
+        self.programs.start(self.program_keys(generation_shapes))
+
+    def _compile(self, key: tuple) -> None:
+        """Lower and compile one program for the shapes of its real arguments."""
+        spec = self._state_spec
+        if key[0] == "start_penalties":
+            start_penalties.lower(spec.penalties, *self._penalty_args(
+                self.spare_slot, self._padded([]), 0, 0)).compile()
+        elif key[0] == "start_history":
+            start_history.lower(spec.suffix, *self._history_args(
+                self.spare_slot, self._padded([]), 0)).compile()
+        else:
+            kind, rows, width = key
+            batch = empty_batch(rows, width, self.blocks_per_seq, self.spare_slot,
+                                self.mask_shape(width, kind))
+            self.steps[kind].lower(self.params, spec, self._place(batch)).compile()
 
     def run_empty(self, rows: int, width: int, kind: str = "generation") -> None:
         """One step on an all-padding batch of this shape, waited for (compiles it the first

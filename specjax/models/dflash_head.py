@@ -16,7 +16,8 @@ target's last, the default, for targets with no spare token) embeds with the dra
 
 The decoder layers are a `Llama` body (`body`, vocabulary of one row that holds the mask
 embedding, its `final_norm` the drafter's), so they are bit-for-bit target-style layers and
-share the target's inference layout (`for_inference`: unstacked, fused projections).
+share the target's inference layout (`for_inference`: fused projections, layers stacked or
+unrolled as the target's).
 """
 from __future__ import annotations
 
@@ -92,9 +93,14 @@ class DFlashHead(nnx.Module):
         self.context_norm = nnx.Param(jnp.ones((H,), dtype))
         self.body = Llama(config.body, rngs=rngs)
 
-    def for_inference(self) -> "DFlashHead":
+    def for_inference(self, scan_layers: bool = True) -> "DFlashHead":
+        """The layout the engine's steps run: a copy whose body is in `Llama.for_inference`'s
+        layout; the checkpoint layout is unchanged."""
+        body = self.body.for_inference(scan_layers)
+        if body is self.body:
+            return self
         head = nnx.merge(*nnx.split(self))
-        head.body = self.body.for_inference()
+        head.body = body
         return head
 
     # -- pieces the engine and the trainer share ------------------------------------------------

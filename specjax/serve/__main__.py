@@ -152,7 +152,13 @@ def main(argv: list[str] | None = None) -> int:
                   enable_prefix_cache=not args.no_prefix_cache,
                   tensor_parallel_size=args.tensor_parallel_size,
                   coordinator_address=args.coordinator_address,
-                  num_processes=args.num_processes, process_id=args.process_id, warmup=True)
+                  num_processes=args.num_processes, process_id=args.process_id,
+                  warmup=args.num_processes > 1)
+        if args.num_processes == 1:
+            # /health answers while every program compiles on a thread; a request meanwhile
+            # compiles what it needs first. Several processes warm up before serving: each
+            # compiles as it follows process 0's device updates.
+            llm.warmup(background=True)
         if args.process_id != 0:
             log.info("process %d runs process 0's steps until it stops", args.process_id)
             llm.follow()

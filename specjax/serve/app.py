@@ -340,7 +340,9 @@ def create_app(llm: LLM, settings: ServerSettings = ServerSettings(),
         if not server.engine_thread.alive:
             status = "shutting down" if server.shutting_down else "engine stopped"
             return JSONResponse({"status": status}, status_code=503)
-        return JSONResponse({"status": "ok"})
+        # Answered while a first start still compiles in the background: requests are
+        # served meanwhile (each compiles what it needs first).
+        return JSONResponse({"status": "ok", "warming_up": server.engine_thread.warming})
 
     @app.get("/metrics")
     async def metrics() -> Response:

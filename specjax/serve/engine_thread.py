@@ -95,6 +95,9 @@ class EngineThread:
         self._live: dict[int, Submission] = {}  # engine thread only
         self._stopping = False
         self._thread: threading.Thread | None = None
+        # A background warm-up (`Engine.warmup(background=True)`) is under way: compiles while
+        # no request is in hand, then the step costs measured (`Engine.background_work`).
+        self.warming = False
         self._publish()
 
     # -- called from other threads --------------------------------------------------------
@@ -175,16 +178,30 @@ class EngineThread:
 
     # -- the engine thread ----------------------------------------------------------------
 
+    def _has_work(self) -> bool:
+        return bool(self._inbox or self._cancels or self._stopping
+                    or self.engine.has_unfinished())
+
     def _run(self) -> None:
         engine = self.engine
+        self.warming = engine.background_work(idle=True)
         while True:
             with self._cond:
-                while not (self._inbox or self._cancels or self._stopping
-                           or engine.has_unfinished()):
+                while not self._has_work() and not self.warming:
                     self._cond.wait()
+                if self.warming and not self._has_work():
+                    self._cond.wait(0.1)   # a background warm-up goes on: look again soon
+                idle = not self._has_work()
                 if self._stopping and not (self._inbox or self._cancels
                                            or engine.has_unfinished()):
                     break
+            if self.warming:
+                # A request holds the warm-up's next compile; idle, the engine measures the
+                # step costs once everything is compiled.
+                self.warming = engine.background_work(idle)
+            if idle:
+                continue
+            with self._cond:
                 inbox, self._inbox = self._inbox, []
                 cancels, self._cancels = self._cancels, []
                 self._engine_waiting += len(inbox)
@@ -199,6 +216,7 @@ class EngineThread:
             if engine.has_unfinished():
                 self._step()
             self._publish()
+        engine.background_work(idle=False)   # a background warm-up starts no more compiles
         self._publish()
 
     def _add(self, sub: Submission) -> None:

@@ -2,9 +2,10 @@
 
 The mode's predicates decide every piece, never a chain of mode names:
 
-- `has_draft_module()`: the drafter module is loaded and its parameters ride in the step
-  (`Speculation.draft_model`) with an in-step worker (`get_spec_worker`), which writes the
-  drafter's K/V past the verified window: the KV reservation covers it
+- `has_draft_module()`: the drafter module is loaded by the loader its worker module registered
+  (`workers.registry.DRAFTERS`), put once in the layout the steps run, and its parameters ride
+  in the step (`Speculation.draft_model`) with an in-step worker (`get_spec_worker`), which
+  writes the drafter's K/V past the verified window: the KV reservation covers it
   (`Speculation.drafts_in_step`);
 - `has_spec_decoder()`: the step drafts -- a worker, SA (`Speculation.suffix`: the request's own
   tokens, `specjax.core.suffix`), or both (a worker's config with `sa_config`: the enhancer);
@@ -26,17 +27,15 @@ from flax import nnx
 from specjax.core.suffix import SuffixSpec
 from specjax.core.tree import TreeShape
 from specjax.core.worker import DraftWorker, tree_of
-from specjax.models import (Llama, load_dflash_head, load_eagle3_head, load_mtp_heads,
-                            read_mask_token)
+from specjax.models import Llama, read_mask_token
 from specjax.models.config import ModelConfig
-from specjax.models.registry import load_model, resolve_model_path
-from specjax.speculative.config import (AutoConfig, DFlashConfig, DraftTargetConfig, EagleConfig,
-                                        MTPConfig, NGramConfig, PARDConfig, SAConfig,
+from specjax.models.registry import resolve_model_path
+from specjax.speculative.config import (AutoConfig, NGramConfig, PARDConfig, SAConfig,
                                         SaveHiddenStatesConfig, SpeculativeConfig,
                                         UserProvidedConfig)
 from specjax.speculative.drafters import Drafter, NGramDrafter
-from specjax.speculative.modes import SpeculativeDecodingMode
 from specjax.speculative.schedule import SpeculationGate, get_draft_len_for_batch_size
+from specjax.speculative.workers import DRAFTERS, WORKERS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,7 +44,7 @@ class Speculation:
 
     config: SpeculativeConfig | None = None
     worker: DraftWorker | None = None      # drafts inside the jitted step
-    draft_model: Any = None                # the worker's module: Llama, Eagle3Head or MTPHeads
+    draft_model: Any = None                # the worker's module, in the layout the steps run
     drafter: Drafter | None = None         # proposes on the host
     save_hidden_states: SaveHiddenStatesConfig | None = None
     save_layers: tuple[int, ...] = ()      # target layers whose residual streams are saved
@@ -102,18 +101,20 @@ class Speculation:
 
 
 def build_speculation(config: SpeculativeConfig | None, target: Llama,
-                      max_sequence_length: int | None = None) -> Speculation:
+                      max_sequence_length: int | None = None,
+                      scan_layers: bool = True) -> Speculation:
     """Load the drafter module (a folder path in the config is read from disk, in the target's
-    dtype), make the worker or host drafter, and check them against `target`; every error is a
-    ValueError naming the field, raised before any request starts. `max_sequence_length`: the
-    context limit host drafters propose within."""
+    dtype) in the layout the steps run (its target-style layers scanned or unrolled as the
+    target's: `scan_layers`), make the worker or host drafter, and check them against
+    `target`; every error is a ValueError naming the field, raised before any request starts.
+    `max_sequence_length`: the context limit host drafters propose within."""
     if config is None:
         return Speculation()
     if not isinstance(config, SpeculativeConfig):
         raise ValueError(f"speculative_config must be a SpeculativeConfig (e.g. "
                          f"specjax.NGramConfig), got {type(config).__name__}")
     if isinstance(config, AutoConfig):
-        raise ValueError("AutoConfig is resolved when the engine starts "
+        raise ValueError("AutoConfig is resolved by LLM, with the model's name "
                          "(specjax.speculative.defaults.resolve_auto), not built directly")
     if isinstance(config, SaveHiddenStatesConfig):
         return Speculation(config, save_hidden_states=config,
@@ -122,7 +123,8 @@ def build_speculation(config: SpeculativeConfig | None, target: Llama,
     if config.mode.has_draft_module():
         config = with_drafter_fields(config)
         draft_model = load_draft_model(config, target)
-        draft_model = draft_model.for_inference()  # the layout the steps run
+        if draft_model is not None:  # the layout the steps run, made once
+            draft_model = DRAFTERS[config.mode].for_inference(draft_model, scan_layers)
     worker = get_spec_worker(config, draft_model, target.config)
     if target.config.is_hybrid:
         check_hybrid_target(config, worker, draft_model)
@@ -168,78 +170,22 @@ def with_drafter_fields(config: SpeculativeConfig) -> SpeculativeConfig:
 
 
 def load_draft_model(config: SpeculativeConfig, target: Llama, dtype: str | None = None):
-    """The drafter module a mode runs beside the target: a `Llama` for draft-target, an
-    `Eagle3Head` for EAGLE-3, `MTPHeads` for MTP; None for modes without one. A folder path
-    is loaded; an instance is checked against the target the same way."""
-    draft = getattr(config, "speculative_model", None)
-    dtype = dtype or target.config.dtype
-    if isinstance(config, DraftTargetConfig):
-        if not isinstance(draft, Llama):
-            draft = load_model(resolve_model_path(draft), dtype=dtype)
-        if draft.config.vocab_size != target.config.vocab_size:
-            raise ValueError(f"speculative_model vocab_size {draft.config.vocab_size} differs from "
-                             f"the target's {target.config.vocab_size}: draft-target needs one "
-                             "tokenizer")
-        return draft
-    if isinstance(config, PARDConfig):
-        if not isinstance(draft, Llama):
-            draft = load_model(resolve_model_path(draft), dtype=dtype)
-        V, Vd = target.config.vocab_size, draft.config.vocab_size
-        if Vd < V:
-            raise ValueError(f"the PARD model's vocab_size {Vd} is smaller than the target's {V}: "
-                             "PARD needs the target's tokenizer")
-        mask = config.mask_token_id
-        if mask is not None and mask >= Vd:
-            raise ValueError(f"mask_token_id {mask} is outside the PARD model's vocabulary "
-                             f"({Vd} tokens)")
-        return draft
-    if isinstance(config, DFlashConfig):  # DSpark folders load as DSparkHeads
-        return _load_head(draft, lambda path: load_dflash_head(path, target.config, dtype=dtype),
-                          target, "the DFlash drafter", "")
-    if isinstance(config, EagleConfig):
-        return _load_head(draft, lambda path: load_eagle3_head(path, dtype=dtype), target,
-                          "the EAGLE-3 head", "EagleConfig needs speculative_model: an EAGLE-3 "
-                          "head folder (public layout) or an Eagle3Head")
-    if isinstance(config, MTPConfig):
-        heads = _load_head(draft, lambda path: load_mtp_heads(path, target.config, dtype=dtype),
-                           target, "the MTP heads", "MTPConfig needs speculative_model: an MTP "
-                           "heads folder or an MTPHeads (this target ships no MTP modules)")
-        if (config.mode is SpeculativeDecodingMode.MTP
-                and heads.num_modules < config.max_draft_len):
-            raise ValueError(f"MTP with max_draft_len {config.max_draft_len} needs that many "
-                             f"modules; the heads have {heads.num_modules}")
-        return heads
-    return None
-
-
-def _load_head(draft, load, target: Llama, what: str, missing: str):
-    """A hidden-state head: loaded when `draft` is a folder path, checked against `target`."""
-    if draft is None:
-        raise ValueError(missing)
-    if isinstance(draft, str):
-        draft = load(resolve_model_path(draft))
-    check_head_matches_target(draft.config.hidden_size, draft.config.vocab_size, target.config,
-                              what)
-    return draft
-
-
-def check_head_matches_target(hidden_size: int, vocab_size: int, target: ModelConfig,
-                              what: str) -> None:
-    if hidden_size != target.hidden_size:
-        raise ValueError(f"{what} has hidden_size {hidden_size} but the target's is "
-                         f"{target.hidden_size}: it was trained for another target")
-    if vocab_size != target.vocab_size:
-        raise ValueError(f"{what} has vocab_size {vocab_size} but the target's is "
-                         f"{target.vocab_size}: it was trained for another target")
+    """The drafter module a mode runs beside the target, as its folder holds it (the loader its
+    worker module registered): a `Llama` for draft-target and PARD, an `Eagle3Head` for
+    EAGLE-3, `MTPHeads` for MTP, a `DFlashHead` (`DSparkHead`) for DFlash (DSpark); None for
+    modes without one. A folder path is loaded; an instance is checked against the target the
+    same way."""
+    drafter = DRAFTERS.get(config.mode)
+    return None if drafter is None else drafter.load(config, target, dtype or target.config.dtype)
 
 
 def get_spec_worker(config: SpeculativeConfig | None, draft_model=None,
                     target_config: ModelConfig | None = None) -> DraftWorker | None:
-    """The in-step worker for `has_draft_module()` modes, else None. `draft_model` is what
-    `load_draft_model` returns; hidden-state drafters also need the target's config."""
+    """The in-step worker for `has_draft_module()` modes, else None. `draft_model`: the drafter
+    module in the layout the steps run (`build_speculation` makes it); hidden-state drafters
+    also need the target's config."""
     if config is None or not config.mode.has_draft_module():
         return None
-    from specjax.speculative.workers import WORKERS  # each worker module registers itself
     mode = config.mode
     if draft_model is None:
         raise ValueError(f"{mode.name} needs its drafter module (see load_draft_model)")
@@ -248,8 +194,7 @@ def get_spec_worker(config: SpeculativeConfig | None, draft_model=None,
     factory = WORKERS.get(mode)
     if factory is None:
         raise NotImplementedError(f"speculative mode {mode.name} is not implemented yet")
-    graphdef = nnx.graphdef(draft_model.for_inference())  # the layout the steps run
-    return factory(config, graphdef, draft_model, target_config)
+    return factory(config, nnx.graphdef(draft_model), draft_model, target_config)
 
 
 def get_spec_drafter(config: SpeculativeConfig | None,

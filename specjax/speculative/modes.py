@@ -49,20 +49,20 @@ class SpeculativeDecodingMode(enum.IntEnum):
         """Rejected draft positions must be returned to the KV pool: every mode whose drafts
         the target verifies in its pool (TensorRT-LLM leaves USER_PROVIDED out; specjax
         verifies a user's drafts exactly like NGram's, so they need it too)."""
-        return self in _ONE_ENGINE or self.has_spec_drafter()
+        return self.use_one_engine() or self.has_spec_drafter()
 
     def support_overlap_scheduler(self) -> bool:
         """The host may process step N while the device runs step N+1."""
-        return self in _ONE_ENGINE
+        return self.use_one_engine()
 
     def has_spec_decoder(self) -> bool:
         """The step itself drafts, verifies and accepts."""
-        return self in _ONE_ENGINE
+        return self.use_one_engine()
 
     def has_draft_module(self) -> bool:
         """A drafter module with parameters rides in the step (an in-step worker); SA drafts
         from the request's own tokens and has none."""
-        return self in _ONE_ENGINE and self is not SpeculativeDecodingMode.SA
+        return self.use_one_engine() and self is not SpeculativeDecodingMode.SA
 
     def is_parallel_draft(self) -> bool:
         """The drafter proposes all D tokens in one forward pass (PARD, DFlash, DSPARK) rather

@@ -49,7 +49,7 @@ def test_each_step_accepts_exactly_the_right_drafts(model, reference):
     assert WORKERS[SpeculativeDecodingMode.EAGLE3_ONE_MODEL] is original
     assert isinstance(llm.engine.speculation.worker, OracleEagle3Worker)
     for D in (1, 2, 3):
-        llm.engine.pinned_draft_len = D
+        llm.engine.length_policy.pinned = D
         per_step = min(2, D) + 1
         for out in llm.generate([PROMPT, PROMPT], greedy(N)):
             st = out.stats

@@ -58,6 +58,9 @@ class FakeEngine:
         self.add_gate = threading.Event()   # add_request waits for it
         self.add_gate.set()
         self.in_add = threading.Event()
+        # A background warm-up: `warm_up` idle calls of `background_work` before it is done.
+        self.warm_up = 0
+        self.background_calls: list[tuple[bool, int]] = []   # (idle, running requests)
         self.aborted: list[int] = []
         self.added: list[tuple[list[int], object]] = []   # (prompt, params) per request
         self._next = 0
@@ -70,6 +73,11 @@ class FakeEngine:
                                                params=params, out=[]))())
         self.added.append((list(prompt_ids), params))
         return rid
+
+    def background_work(self, idle: bool) -> bool:
+        self.background_calls.append((idle, len(self.waiting) + len(self.running)))
+        self.warm_up -= idle
+        return self.warm_up > 0
 
     def has_unfinished(self):
         return bool(self.waiting or self.running)

@@ -211,3 +211,33 @@ def test_stop_is_bounded_when_a_step_hangs(fake):
     assert time.monotonic() - start < 2
     with pytest.raises(EngineStopped, match="shutting down"):
         _submit(thread)
+
+
+def test_a_background_warm_up_goes_on_only_while_no_request_is_in_hand():
+    engine = FakeEngine(step_delay=0.01)
+    engine.warm_up = 10 ** 9                  # still warming up through the request below
+    thread = EngineThread(engine)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 10
+        while not engine.background_calls and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert thread.warming                 # what /health reports
+        _until_final(_submit(thread, max_tokens=5)[1])
+        deadline = time.monotonic() + 10
+        while not engine.background_calls[-1][0] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        calls = list(engine.background_calls)
+        # Held while the request ran (its steps saw it), idle again once it finished.
+        assert (False, 1) in calls and calls[0][0] and calls[-1][0]
+        assert all(not idle for idle, running in calls if running)
+        engine.warm_up = 1
+        deadline = time.monotonic() + 10
+        while thread.warming and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not thread.warming
+        done = len(engine.background_calls)
+        time.sleep(0.3)                       # done: the thread sleeps until work comes
+        assert len(engine.background_calls) <= done + 1
+    finally:
+        thread.stop(10)

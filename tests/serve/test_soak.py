@@ -8,7 +8,7 @@ import time
 
 from live_server import API_KEY
 
-from specjax.serve.soak import SoakConfig, run_soak
+from specjax.serve.soak_clients import SoakConfig, run_soak
 
 
 def test_soak_loses_nothing_and_answers_bad_requests_with_4xx(server):

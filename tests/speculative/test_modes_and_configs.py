@@ -82,6 +82,24 @@ def test_factories_follow_the_predicates():
     assert specjax.get_spec_worker(None) is None and specjax.get_spec_drafter(None) is None
 
 
+def test_every_mode_with_a_drafter_module_registers_its_worker_and_loader():
+    from specjax.speculative.workers import DRAFTERS, WORKERS
+    modules = {m for m in M if m.has_draft_module()}
+    assert set(WORKERS) == set(DRAFTERS) == modules
+
+
+@pytest.mark.parametrize("scan", [True, False])
+def test_the_drafter_is_put_in_the_steps_layout_once_scanned_as_the_target(tiny_model, scan):
+    from flax import nnx
+
+    spec = specjax.build_speculation(DraftTargetConfig(max_draft_len=2,
+                                                       speculative_model=tiny_model),
+                                     tiny_model, scan_layers=scan)
+    draft = spec.draft_model
+    assert draft.fused and draft.stacked == scan and draft.for_inference(scan) is draft
+    assert spec.worker.graphdef == nnx.graphdef(draft)
+
+
 def test_llm_rejects_a_non_config(tiny_model):
     with pytest.raises(ValueError, match="speculative_config must be a SpeculativeConfig"):
         specjax.LLM(tiny_model, speculative_config={"mode": 6}, warmup=False)

@@ -30,11 +30,14 @@ from specjax.core.kv import KVPool, make_kv_pool
 from specjax.core.sampling import adjusts_logits, draft_tokens_and_probs
 from specjax.core.tree import TreeShape
 from specjax.core.worker import Drafts, WorkerDefaults
+from specjax.models import Llama, load_eagle3_head
 from specjax.models.config import ModelConfig
 from specjax.models.eagle3_head import Eagle3HeadConfig
 from specjax.models.mtp_head import target_lm_head
 from specjax.speculative.modes import SpeculativeDecodingMode
 from specjax.speculative.workers.common import head_pass, shift_in
+from specjax.speculative.workers.loading import read_head
+from specjax.speculative.workers.mtp import load_mtp_modules
 from specjax.speculative.workers.registry import register
 from specjax.speculative.workers.tree import grow_tree, sampled_draw
 
@@ -307,7 +310,13 @@ def tree_within(config, vocab_size: int) -> TreeShape | None:
     return tree
 
 
-@register(SpeculativeDecodingMode.EAGLE3_ONE_MODEL)
+def load_eagle3_drafter(config, target: Llama, dtype: str):
+    return read_head(config.speculative_model, lambda path: load_eagle3_head(path, dtype=dtype),
+                     target, "the EAGLE-3 head", "EagleConfig needs speculative_model: an "
+                     "EAGLE-3 head folder (public layout) or an Eagle3Head")
+
+
+@register(SpeculativeDecodingMode.EAGLE3_ONE_MODEL, load_eagle3_drafter)
 def eagle3_worker(config, graphdef, draft_model, target_config) -> Eagle3Worker:
     head = draft_model.config
     layers = config.layers_to_capture(target_config.num_layers, head.aux_hidden_state_layers)
@@ -315,7 +324,7 @@ def eagle3_worker(config, graphdef, draft_model, target_config) -> Eagle3Worker:
                         tree_within(config, head.draft_vocab_size), head_config=head)
 
 
-@register(SpeculativeDecodingMode.MTP_EAGLE_ONE_MODEL)
+@register(SpeculativeDecodingMode.MTP_EAGLE_ONE_MODEL, load_mtp_modules)
 def mtp_eagle_worker(config, graphdef, draft_model, target_config) -> MTPEagleWorker:
     return MTPEagleWorker(graphdef, (target_config.num_layers - 1,),
                           config.use_rejection_sampling,

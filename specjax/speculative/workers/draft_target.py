@@ -16,8 +16,10 @@ from specjax.core.forward import paged_forward
 from specjax.core.kv import KVPool, make_kv_pool
 from specjax.core.sampling import draft_tokens_and_probs
 from specjax.core.worker import Drafts, WorkerDefaults
+from specjax.models import Llama
 from specjax.models.config import ModelConfig
 from specjax.speculative.modes import SpeculativeDecodingMode
+from specjax.speculative.workers.loading import read_llama
 from specjax.speculative.workers.registry import register
 
 
@@ -76,7 +78,17 @@ class DraftTargetWorker(WorkerDefaults):
         return kv, Drafts.every(drafts.T, probs=probs)
 
 
-@register(SpeculativeDecodingMode.DRAFT_TARGET_ONE_MODEL)
+def load_draft_llm(config, target: Llama, dtype: str) -> Llama:
+    """The draft model: a smaller LM of the target's tokenizer."""
+    draft = read_llama(config.speculative_model, dtype)
+    if draft.config.vocab_size != target.config.vocab_size:
+        raise ValueError(f"speculative_model vocab_size {draft.config.vocab_size} differs from "
+                         f"the target's {target.config.vocab_size}: draft-target needs one "
+                         "tokenizer")
+    return draft
+
+
+@register(SpeculativeDecodingMode.DRAFT_TARGET_ONE_MODEL, load_draft_llm, layered=True)
 def draft_target_worker(config, graphdef, draft_model, target_config) -> DraftTargetWorker:
     return DraftTargetWorker(graphdef, draft_model.config,
                              rejection_sampling=config.use_rejection_sampling)

@@ -33,7 +33,7 @@ from specjax.core.sampling import draft_tokens_and_probs
 from specjax.core.worker import Drafts
 from specjax.models.dspark_head import GREEDY, SAMPLED, DSparkHead
 from specjax.speculative.modes import SpeculativeDecodingMode
-from specjax.speculative.workers.parallel import DFlashWorker, dflash_worker
+from specjax.speculative.workers.parallel import DFlashWorker, dflash_worker, load_dflash_drafter
 from specjax.speculative.workers.registry import register
 
 
@@ -79,7 +79,7 @@ class DSparkWorker(DFlashWorker):
         return Drafts.every(drafts, probs=probs, confidence=conf)
 
 
-@register(SpeculativeDecodingMode.DSPARK)
+@register(SpeculativeDecodingMode.DSPARK, load_dflash_drafter, layered=True)
 def dspark_worker(config, graphdef, draft_model, target_config) -> DSparkWorker:
     if not isinstance(draft_model, DSparkHead):
         raise ValueError("DSpark needs a DSpark drafter (a DSparkHead or a folder whose "

@@ -20,9 +20,11 @@ from specjax.core.forward import take_rows
 from specjax.core.kv import KVPool, make_kv_pool
 from specjax.core.sampling import draft_tokens_and_probs
 from specjax.core.worker import Drafts, WorkerDefaults
+from specjax.models import Llama, load_mtp_heads
 from specjax.models.config import ModelConfig
-from specjax.models.mtp_head import target_lm_head
+from specjax.models.mtp_head import MTPHeads, target_lm_head
 from specjax.speculative.modes import SpeculativeDecodingMode
+from specjax.speculative.workers.loading import read_head
 from specjax.speculative.workers.registry import register
 from specjax.speculative.workers.common import head_pass, shift_in
 
@@ -102,7 +104,24 @@ class MTPWorker(WorkerDefaults):
         return kv, Drafts.every(drafts[:, :num_drafts], probs=probs)
 
 
-@register(SpeculativeDecodingMode.MTP)
+def load_mtp_modules(config, target: Llama, dtype: str) -> MTPHeads:
+    """The MTP modules (MTP-Eagle reuses the first)."""
+    return read_head(config.speculative_model,
+                     lambda path: load_mtp_heads(path, target.config, dtype=dtype), target,
+                     "the MTP heads", "MTPConfig needs speculative_model: an MTP heads folder "
+                     "or an MTPHeads (this target ships no MTP modules)")
+
+
+def load_vanilla_mtp(config, target: Llama, dtype: str) -> MTPHeads:
+    """Vanilla MTP drafts one token per module."""
+    heads = load_mtp_modules(config, target, dtype)
+    if heads.num_modules < config.max_draft_len:
+        raise ValueError(f"MTP with max_draft_len {config.max_draft_len} needs that many "
+                         f"modules; the heads have {heads.num_modules}")
+    return heads
+
+
+@register(SpeculativeDecodingMode.MTP, load_vanilla_mtp)
 def mtp_worker(config, graphdef, draft_model, target_config) -> MTPWorker:
     return MTPWorker(graphdef, (target_config.num_layers - 1,), draft_model.num_modules,
                      target_config, config.use_rejection_sampling)

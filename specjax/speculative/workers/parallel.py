@@ -29,11 +29,13 @@ from specjax.core.forward import PagedAttention, paged_forward
 from specjax.core.kv import KVPool, make_kv_pool
 from specjax.core.sampling import adjusts_logits, draft_tokens_and_probs
 from specjax.core.worker import Drafts, WorkerDefaults
+from specjax.models import Llama, load_dflash_head
 from specjax.models.config import ModelConfig
 from specjax.models.dflash_head import DFlashHeadConfig
 from specjax.speculative.modes import SpeculativeDecodingMode
-from specjax.speculative.workers.registry import register
 from specjax.speculative.workers.common import attend_over_context
+from specjax.speculative.workers.loading import read_head, read_llama
+from specjax.speculative.workers.registry import register
 
 
 def propose_block(logits: jax.Array, batch: StepBatch, first: jax.Array, rejection: bool,
@@ -212,7 +214,28 @@ class DFlashWorker(WorkerDefaults):
                                penalties)
 
 
-@register(SpeculativeDecodingMode.PARD)
+def load_pard_model(config, target: Llama, dtype: str) -> Llama:
+    """The PARD model: the target's vocabulary plus (past it, or inside it) the mask token."""
+    draft = read_llama(config.speculative_model, dtype)
+    V, Vd = target.config.vocab_size, draft.config.vocab_size
+    if Vd < V:
+        raise ValueError(f"the PARD model's vocab_size {Vd} is smaller than the target's {V}: "
+                         "PARD needs the target's tokenizer")
+    mask = config.mask_token_id
+    if mask is not None and mask >= Vd:
+        raise ValueError(f"mask_token_id {mask} is outside the PARD model's vocabulary "
+                         f"({Vd} tokens)")
+    return draft
+
+
+def load_dflash_drafter(config, target: Llama, dtype: str):
+    """The DFlash drafter (a DSpark folder loads as a `DSparkHead`)."""
+    return read_head(config.speculative_model,
+                     lambda path: load_dflash_head(path, target.config, dtype=dtype), target,
+                     "the DFlash drafter", "")
+
+
+@register(SpeculativeDecodingMode.PARD, load_pard_model, layered=True)
 def pard_worker(config, graphdef, draft_model, target_config) -> PARDWorker:
     if config.mask_token_id is None:
         raise ValueError("PARD needs mask_token_id (see with_drafter_fields)")
@@ -220,7 +243,7 @@ def pard_worker(config, graphdef, draft_model, target_config) -> PARDWorker:
                       target_config.vocab_size, rejection_sampling=config.use_rejection_sampling)
 
 
-@register(SpeculativeDecodingMode.DFLASH)
+@register(SpeculativeDecodingMode.DFLASH, load_dflash_drafter, layered=True)
 def dflash_worker(config, graphdef, draft_model, target_config) -> DFlashWorker:
     head = draft_model.config
     for layer in config.layers_for(head.target_layer_ids):

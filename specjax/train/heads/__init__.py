@@ -12,7 +12,9 @@ predicts token t+2: its label is the target's distribution at row t+1. Draft ste
 anchor row t feeds the embedding of token t+j and is labelled with the target's distribution at
 row t+j; it is masked when t+j runs off the window.
 
-- `spec`: what is trained (HeadSpec) and the head's warm-started initialisation.
+- `spec`: what is trained (HeadSpec, its HeadKind) and the head's warm-started initialisation.
+- `kinds`: one HeadKind per kind of head (EAGLE-3, MTP, PARD, DFlash, DSpark): its checks,
+  initialisation, drafts, loss, report and model card.
 - `attention`, `chain`: the draft chain unrolled as the engine drafts it.
 - `loss`: the soft cross-entropy over the chain's steps.
 - `training`: the jitted step and validation, on the shared loop (`specjax.train.loop`).
@@ -20,3 +22,5 @@ row t+j; it is masked when t+j runs off the window.
 - `data`: batches from the target's corpus or from saved hidden states.
 - `cli`, `card`: the command-line driver, the export checks and the model card.
 """
+# Every kind registers itself by name (`spec.KINDS`) before any HeadSpec is made.
+from specjax.train.heads import kinds  # noqa: F401

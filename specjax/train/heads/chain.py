@@ -17,14 +17,12 @@ attention over module j's own rows.
 """
 from __future__ import annotations
 
-from functools import partial
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
 
 from specjax.models import Llama, dense_attention
-from specjax.models.mtp_head import target_lm_head
 from specjax.train.heads.attention import chain_attention
 from specjax.train.heads.spec import HeadSpec
 
@@ -64,15 +62,7 @@ def run_chain(spec: HeadSpec, head, target: Llama, captured: jax.Array, step_tok
     K, B, T = step_tokens.shape
     positions = jnp.broadcast_to(jnp.arange(T), (B, T))
     embeds = target.embed_tokens(step_tokens.reshape(K * B, T)).reshape(K, B, T, -1)
-    if spec.kind == "eagle3":
-        hidden1 = head.fuse(captured[:3, :, :T])
-        modules = [head] * K
-        logits = [head.logits] * K
-    else:
-        hidden1 = captured[-1, :, :T]
-        modules = [head.module_for_step(j) for j in range(K)]
-        lm_head = target_lm_head(target)
-        logits = [partial(m.logits, lm_head=lm_head) for m in modules]
+    hidden1, modules, logits = spec.head_kind.chain_inputs(head, target, captured, K, T)
     outs = chain_hidden_outs([m.qkv_and_residual for m in modules], [m.finish for m in modules],
                              hidden1, embeds, positions, ttt=spec.chain)
     return [fn(h) for fn, h in zip(logits, outs)]
@@ -94,7 +84,3 @@ def teacher_forced_step_tokens(tokens: jax.Array, depth: int) -> jax.Array:
     """tokens `[B, T+1]` -> `[K, B, T]`: step j's input at anchor t is token t+j (0 past the end)."""
     T = tokens.shape[1] - 1
     return jnp.stack([shift_rows(tokens, j + 1, T) for j in range(depth)])
-
-
-def draft_to_target_ids(spec: HeadSpec, head, draft_ids: jax.Array) -> jax.Array:
-    return head.to_target_ids(draft_ids) if spec.kind == "eagle3" else draft_ids

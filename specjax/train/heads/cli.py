@@ -15,11 +15,10 @@ from specjax.models.registry import load_model, resolve_model_path
 from specjax.models.config import DTYPES
 from specjax.train.config import add_train_arguments, train_config_from_args
 from specjax.train.export import compact_log
-from specjax.train.heads.calibration import dspark_report
 from specjax.train.heads.export import SIZE_LIMIT_BYTES, export_head
-from specjax.train.heads.report import acceptance_report, format_report
+from specjax.train.heads.report import format_report
 from specjax.train.heads.sources import DataSource, HiddenStatesSource, corpus_source
-from specjax.train.heads.spec import HeadSpec
+from specjax.train.heads.spec import KINDS, HeadSpec
 from specjax.train.heads.training import train_head
 from specjax.train.loop import stopped_early
 from specjax.train.workdir import WORK_DIR, check_same_run
@@ -29,11 +28,12 @@ HEAD_TRAIN_DEFAULTS = dict(steps=600, batch_size=8, seq_len=256, lr=2e-3, warmup
 
 
 def add_arguments(p: argparse.ArgumentParser, kind: str) -> None:
+    defaults = KINDS[kind]
     p.add_argument("--target", required=True,
                    help="the frozen target: a checkpoint folder, a GGUF file or a name "
                         "('bundled', 'smollm2'); loaded in float32")
     p.add_argument("--out", type=Path, required=True, help="export folder, e.g. checkpoints/<name>")
-    p.add_argument("--depth", type=int, default=3 if kind == "mtp" else 4,
+    p.add_argument("--depth", type=int, default=defaults.default_depth,
                    help="draft steps unrolled in training (TTT) and reported; a parallel "
                         "drafter's block")
     p.add_argument("--hidden-states", type=Path, default=None,
@@ -41,7 +41,7 @@ def add_arguments(p: argparse.ArgumentParser, kind: str) -> None:
                         "corpus (default: the corpus named by the target's corpus_manifest.json)")
     p.add_argument("--step-weight", type=float, default=0.8,
                    help="loss weight of draft step j is step_weight^(j-1)")
-    p.add_argument("--save-dtype", default="float32" if kind == "eagle3" else "bfloat16",
+    p.add_argument("--save-dtype", default=defaults.save_dtype,
                    choices=DTYPES,
                    help="dtype of the exported weights (loading casts to the target's)")
     add_train_arguments(p, HEAD_TRAIN_DEFAULTS)
@@ -114,10 +114,8 @@ def run(kind: str, args: argparse.Namespace, argv: list[str], spec_fields: Calla
         return 0
     batches = source.val_batches(min(tc.batch_size, 4), tc.seq_len, args.report_windows)
     start = time.perf_counter()
-    if spec.kind == "dspark":  # fit the confidence's calibration on these windows, then report
-        report = dspark_report(spec, head, target, batches, fit=True)
-    else:
-        report = acceptance_report(spec, head, target, batches)
+    # Whatever the head calibrates (DSpark's confidence) is fitted on these windows first.
+    report = spec.head_kind.report(spec, head, target, batches, fit=True)
     report["seconds"] = time.perf_counter() - start
     table = format_report(report, f"{spec.label} acceptance on the validation split "
                                   f"(greedy, {'block' if spec.parallel else 'chain'} of "

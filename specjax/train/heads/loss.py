@@ -18,9 +18,8 @@ import jax
 import jax.numpy as jnp
 
 from specjax.models import Llama
-from specjax.train.heads.chain import (draft_to_target_ids, run_chain, shift_rows,
-                                       teacher_forced_step_tokens)
-from specjax.train.heads.parallel import dspark_outputs, parallel_logits
+from specjax.train.heads.chain import run_chain, shift_rows, teacher_forced_step_tokens
+from specjax.train.heads.parallel import dspark_outputs
 from specjax.train.heads.spec import HeadSpec
 
 
@@ -37,21 +36,24 @@ def target_outputs(spec: HeadSpec, target: Llama, tokens: jax.Array,
 
 def head_loss(spec: HeadSpec, head, target: Llama, tokens: jax.Array, valid: jax.Array,
               target_logits: jax.Array, captured: jax.Array) -> tuple[jax.Array, dict]:
-    """The TTT / dense-chain soft cross-entropy on one batch (see the package and module docstrings).
-    tokens, valid `[B, T+1]`; target_logits `[B, T+1, V]`. -> (loss, per-step metrics)."""
+    """The head's training objective on one batch, its kind's (`HeadKind.loss`: `soft_loss`,
+    or DSpark's `dspark_loss`). tokens, valid `[B, T+1]`; target_logits `[B, T+1, V]`. ->
+    (loss, per-step metrics)."""
+    return spec.head_kind.loss(spec, head, target, tokens, valid, target_logits, captured)
+
+
+def soft_loss(spec: HeadSpec, head, target: Llama, tokens: jax.Array, valid: jax.Array,
+              target_logits: jax.Array, captured: jax.Array) -> tuple[jax.Array, dict]:
+    """The TTT / dense-chain / parallel soft cross-entropy on one batch (see the package and
+    module docstrings)."""
     K, T = spec.depth, tokens.shape[1] - 1
-    if spec.kind == "dspark":
-        return dspark_loss(spec, head, target, tokens, valid, target_logits, captured)
+    kind = spec.head_kind
     if spec.parallel:
-        step_logits = parallel_logits(spec, head, target, captured, tokens)
+        step_logits = kind.block_logits(spec, head, target, captured, tokens)
     else:
         step_logits = run_chain(spec, head, target, captured,
                                 teacher_forced_step_tokens(tokens, K))
-    if spec.kind == "eagle3":
-        label_logits = jnp.take(target_logits,
-                                head.to_target_ids(jnp.arange(spec.draft_vocab)), axis=-1)
-    else:
-        label_logits = target_logits
+    label_logits = kind.label_logits(spec, head, target_logits)
     target_choice = jnp.argmax(target_logits, axis=-1)
     loss, kl, step_losses, step_acc = 0.0, 0.0, [], []
     for j, logits in enumerate(step_logits):
@@ -63,7 +65,7 @@ def head_loss(spec: HeadSpec, head, target: Llama, tokens: jax.Array, valid: jax
         entropy = -(probs * label_logp).sum(-1)
         step_loss = (ce * mask).sum() / count
         kl = kl + spec.step_weight ** j * (step_loss - (entropy * mask).sum() / count)
-        agree = draft_to_target_ids(spec, head, jnp.argmax(logits, -1)) == \
+        agree = kind.to_target_ids(head, jnp.argmax(logits, -1)) == \
             shift_rows(target_choice, j + 1, T)
         step_losses.append(step_loss)
         step_acc.append((agree * mask).sum() / count)

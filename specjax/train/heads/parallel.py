@@ -115,14 +115,3 @@ def dspark_outputs(head, target: Llama, captured: jax.Array, tokens: jax.Array, 
         logits.append(base[:, :, k] + term)
         z.append(head.confidence_logit(normed[:, :, k], e))
     return logits, z
-
-
-def parallel_logits(spec, head, target: Llama, captured: jax.Array, tokens: jax.Array
-                    ) -> list[jax.Array]:
-    """A parallel drafter's `spec.depth` drafts at every anchor index (`[B, T, V]` each)."""
-    if spec.kind == "pard":
-        V = target.config.vocab_size
-        return pard_logits(head, tokens, spec.depth, V, V)
-    if spec.kind == "dspark":
-        return dspark_outputs(head, target, captured, tokens, spec.depth)[0]
-    return dflash_logits(head, target, captured, tokens, spec.depth)

@@ -19,9 +19,7 @@ from flax import nnx
 from specjax.models import Llama
 from specjax.models.llama import layer_windows
 from specjax.train.heads.attention import masked_attention
-from specjax.train.heads.chain import (draft_to_target_ids, run_chain, shift_rows,
-                                       teacher_forced_step_tokens)
-from specjax.train.heads.parallel import parallel_logits
+from specjax.train.heads.chain import run_chain, shift_rows, teacher_forced_step_tokens
 from specjax.train.heads.spec import HeadSpec, split_head
 
 
@@ -91,9 +89,10 @@ def _report_batch(spec: HeadSpec, head_def, target_def, params, rest, target_sta
     head = nnx.merge(head_def, params, rest)
     K, T = spec.depth, tokens.shape[1] - 1
     logits, captured = target.forward(tokens, capture_layers=spec.needed_layers)
+    kind = spec.head_kind
     if spec.parallel:  # drafts do not read earlier drafts: the exact report needs no inputs
         labels = greedy_chain_tokens(target, tokens, K, logits)
-        step_logits = parallel_logits(spec, head, target, captured, tokens)
+        step_logits = kind.block_logits(spec, head, target, captured, tokens)
         drafts = jnp.stack([jnp.argmax(x, -1) for x in step_logits])
         return drafts == labels, valid[:, 1:]
     if spec.chain:
@@ -106,7 +105,7 @@ def _report_batch(spec: HeadSpec, head_def, target_def, params, rest, target_sta
         step_tokens = teacher_forced_step_tokens(tokens, K)
         anchor_mask = shift_rows(valid, K, T, fill=False)
     step_logits = run_chain(spec, head, target, captured, step_tokens)
-    drafts = jnp.stack([draft_to_target_ids(spec, head, jnp.argmax(x, -1)) for x in step_logits])
+    drafts = jnp.stack([kind.to_target_ids(head, jnp.argmax(x, -1)) for x in step_logits])
     return drafts == labels, anchor_mask
 
 
@@ -146,9 +145,12 @@ def chain_report(agree: np.ndarray, mask: np.ndarray) -> dict:
 
 
 def acceptance_report(spec: HeadSpec, head, target: Llama, batches: list[dict]) -> dict:
-    if spec.kind == "dspark":  # sequential drafts through the Markov head, and the confidence
-        from specjax.train.heads.calibration import dspark_report
-        return dspark_report(spec, head, target, batches)
+    """The exact greedy acceptance report of a head over `batches`, its kind's
+    (`HeadKind.report`: `chain_acceptance_report`, or DSpark's `dspark_report`)."""
+    return spec.head_kind.report(spec, head, target, batches)
+
+
+def chain_acceptance_report(spec: HeadSpec, head, target: Llama, batches: list[dict]) -> dict:
     report = chain_report(*chain_agreement(spec, head, target, batches))
     report["chain_inputs"] = (
         "none: one pass drafts the block (exact acceptance)" if spec.parallel else

@@ -1,18 +1,93 @@
-"""What a head training run trains: `HeadSpec`, the EAGLE-3 draft vocabulary maps and a freshly
-initialised head (and its split into trained and fixed variables)."""
+"""What a head training run trains: `HeadSpec` and its kind (`HeadKind`), the EAGLE-3 draft
+vocabulary maps and a freshly initialised head (and its split into trained and fixed
+variables)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
 
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from specjax.models import Llama
-from specjax.models.dflash_head import DFlashHead, DFlashHeadConfig
-from specjax.models.dspark_head import DSparkHead, DSparkHeadConfig
-from specjax.models.eagle3_head import Eagle3Head, Eagle3HeadConfig
-from specjax.models.mtp_head import MTPHeads, target_lm_head
+
+
+class HeadKind:
+    """What one kind of head is and does: one subclass per kind (`specjax.train.heads.kinds`),
+    registered in `KINDS` under `name` -- the CLI's subcommand and the "kind" training logs
+    record. A `HeadSpec` looks its kind up once; whatever differs between kinds asks it."""
+
+    name: ClassVar[str]
+    parallel: ClassVar[bool] = False   # all drafts from one pass
+    default_depth: ClassVar[int] = 4   # --depth
+    save_dtype: ClassVar[str] = "bfloat16"   # --save-dtype
+
+    def validate(self, spec: HeadSpec) -> None:
+        """Raise ValueError naming the flag where `spec` is not a head of this kind."""
+
+    def label(self, spec: HeadSpec) -> str:
+        raise NotImplementedError
+
+    def chain(self, spec: HeadSpec) -> bool:
+        """Whether it drafts the training-time-test chain (EAGLE-3, MTP-Eagle); False for the
+        dense vanilla-MTP chain and for parallel drafters."""
+        return False
+
+    def new_head(self, spec: HeadSpec, target: Llama, rngs: nnx.Rngs, eye: jnp.ndarray,
+                 final_norm: jnp.ndarray, counts: np.ndarray | None):
+        """A fresh head of this kind (see `new_head`)."""
+        raise NotImplementedError
+
+    def chain_inputs(self, head, target: Llama, captured, depth: int, rows: int):
+        """A chain head's draft steps (`chain.run_chain`): (step 1's hidden states `[B, rows,
+        H]` from captured `[len(needed_layers), B, >=rows, H]`, each step's module, each step's
+        logits function)."""
+        raise NotImplementedError
+
+    def block_logits(self, spec: HeadSpec, head, target: Llama, captured, tokens) -> list:
+        """A parallel drafter's `depth` drafts at every anchor index (`[B, T, V]` each) of
+        tokens `[B, T+1]`."""
+        raise NotImplementedError
+
+    def to_target_ids(self, head, draft_ids):
+        """The head's output ids as target ids."""
+        return draft_ids
+
+    def label_logits(self, spec: HeadSpec, head, target_logits):
+        """The target's logits over the head's output vocabulary."""
+        return target_logits
+
+    def loss(self, spec: HeadSpec, head, target: Llama, tokens, valid, target_logits,
+             captured) -> tuple[Any, dict]:
+        """Its training objective on one batch (`loss.head_loss`) -> (loss, metrics)."""
+        raise NotImplementedError
+
+    def report(self, spec: HeadSpec, head, target: Llama, batches: list[dict],
+               fit: bool = False) -> dict:
+        """Its exact greedy acceptance report (`report.acceptance_report`); `fit`: first fit
+        what the head calibrates on these windows, in place (DSpark's confidence)."""
+        raise NotImplementedError
+
+    def card(self, spec: HeadSpec, target_name: str, out: Path, log: dict) -> ModelCard:
+        """What its model card says it is (`export.write_model_card`)."""
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class ModelCard:
+    """A kind's own words on its model card."""
+
+    what: str          # what the head is
+    files: str         # its weights' layout
+    use: str           # the config that runs it
+    labels: str        # what it was trained on
+    notes: str = ""    # how to read its acceptance report, where the table says more
+
+
+# name -> the kind; `specjax.train.heads.kinds` registers every kind as the package loads.
+KINDS: dict[str, HeadKind] = {}
 
 
 @dataclass(frozen=True)
@@ -25,7 +100,8 @@ class HeadSpec:
     small causal LM, `drafter_layers` layers shaped like the target's), kind "dflash"
     (`drafter_layers` layers reading the target at `capture_layers`), kind "dspark" (a DFlash
     drafter plus a rank-`markov_rank` Markov head and a confidence head); `depth` is the block
-    they propose in one pass."""
+    they propose in one pass. `kind` is the name (what the logs record), `head_kind` the
+    `HeadKind` it names."""
 
     kind: str
     depth: int
@@ -38,50 +114,30 @@ class HeadSpec:
     markov_rank: int = 64                   # DSpark's Markov head
 
     def __post_init__(self):
-        if self.kind not in ("eagle3", "mtp", "pard", "dflash", "dspark"):
+        kind = KINDS.get(self.kind)
+        if kind is None:
             raise ValueError(f"unknown head kind {self.kind!r}")
+        # Not a field: equality, hashing and the logs see the name alone.
+        object.__setattr__(self, "_head_kind", kind)
         if self.depth < 1:
             raise ValueError(f"--depth must be >= 1, got {self.depth}")
-        if self.parallel:
-            if not 1 <= self.drafter_layers:
-                raise ValueError(f"--drafter-layers must be >= 1, got {self.drafter_layers}")
-            if self.kind == "pard" and self.drafter_layers > self.num_layers:
-                raise ValueError(f"--drafter-layers {self.drafter_layers} exceeds the target's "
-                                 f"{self.num_layers} layers (PARD starts from the first ones)")
-            bad = [x for x in self.capture_layers if not 0 <= x < self.num_layers]
-            if bad or list(self.capture_layers) != sorted(set(self.capture_layers)):
-                raise ValueError(f"--layers {list(self.capture_layers)}: distinct ascending "
-                                 f"layers of the target's {self.num_layers} (0..{self.num_layers - 1})")
-            if self.kind in ("dflash", "dspark") and not self.capture_layers:
-                raise ValueError(f"{self.label} needs at least one target layer (--layers)")
-            if self.kind == "dspark" and self.markov_rank < 1:
-                raise ValueError(f"--markov-rank must be >= 1, got {self.markov_rank}")
-        elif self.kind == "eagle3":
-            layers = self.capture_layers
-            if len(layers) != 3 or len(set(layers)) != 3 or list(layers) != sorted(layers):
-                raise ValueError(f"--layers must be 3 distinct ascending layers, got {list(layers)}")
-            bad = [x for x in layers if not 0 <= x < self.num_layers]
-            if bad:
-                raise ValueError(f"--layers {list(layers)}: {bad} outside the target's "
-                                 f"{self.num_layers} layers (0..{self.num_layers - 1})")
-        else:
-            if self.num_modules < 1:
-                raise ValueError(f"--num-modules must be >= 1, got {self.num_modules}")
-            if self.num_modules > 1 and self.depth > self.num_modules:
-                raise ValueError(f"--depth {self.depth} exceeds --num-modules {self.num_modules}: "
-                                 "vanilla MTP drafts one token per module")
+        kind.validate(self)
+
+    @property
+    def head_kind(self) -> HeadKind:
+        return self._head_kind
 
     @property
     def parallel(self) -> bool:
         """All `depth` drafts from one pass (PARD, DFlash, DSpark: its Markov head adds a
         per-draft term after the pass)."""
-        return self.kind in ("pard", "dflash", "dspark")
+        return self.head_kind.parallel
 
     @property
     def chain(self) -> bool:
         """True for the training-time-test chain (EAGLE-3, MTP-Eagle); False for the dense
         vanilla-MTP chain."""
-        return self.kind == "eagle3" or (self.kind == "mtp" and self.num_modules == 1)
+        return self.head_kind.chain(self)
 
     @property
     def needed_layers(self) -> tuple[int, ...]:
@@ -90,11 +146,7 @@ class HeadSpec:
 
     @property
     def label(self) -> str:
-        if self.kind in ("pard", "dflash", "dspark"):
-            return {"pard": "PARD", "dflash": "DFlash", "dspark": "DSpark"}[self.kind]
-        if self.kind == "eagle3":
-            return "EAGLE-3"
-        return "MTP-Eagle" if self.num_modules == 1 else f"MTP ({self.num_modules} modules)"
+        return self.head_kind.label(self)
 
 
 def draft_vocab_maps(counts: np.ndarray, draft_vocab: int) -> tuple[np.ndarray, np.ndarray]:
@@ -111,6 +163,7 @@ def draft_vocab_maps(counts: np.ndarray, draft_vocab: int) -> tuple[np.ndarray, 
     return d2t, t2d
 
 
+
 def new_head(spec: HeadSpec, target: Llama, seed: int, counts: np.ndarray | None = None):
     """A freshly initialised head for `target`, warm-started where the target offers a prior:
     the input projection starts as (random init +) the identity on the deepest hidden state
@@ -118,66 +171,10 @@ def new_head(spec: HeadSpec, target: Llama, seed: int, counts: np.ndarray | None
     through), so the head's residual stream starts as the target's; the output side is the
     target's (EAGLE-3: lm_head = the target's LM head at the draft ids; the final norms = the
     target's final norm). Everything else is the heads' own random init."""
-    rngs = nnx.Rngs(seed)
     H = target.config.hidden_size
     eye = jnp.eye(H, dtype=jnp.dtype(target.config.dtype))
     final_norm = jnp.array(target.final_norm[...], copy=True)  # never share a buffer (donation)
-    if spec.parallel:
-        return _new_parallel(spec, target, rngs, eye, final_norm)
-    if spec.kind == "mtp":
-        heads = MTPHeads(target.config, spec.num_modules, rngs=rngs)
-        for module in heads.modules:
-            module.final_norm[...] = jnp.array(final_norm, copy=True)
-            module.eh_proj[...] = module.eh_proj[...].at[H:].add(eye)
-        return heads
-    config = Eagle3HeadConfig.for_target(target.config, draft_vocab_size=spec.draft_vocab,
-                                         aux_hidden_state_layers=spec.capture_layers)
-    head = Eagle3Head(config, rngs=rngs)
-    head.fc[...] = head.fc[...].at[2 * H:].add(eye)
-    if spec.draft_vocab < target.config.vocab_size:
-        if counts is None:
-            raise ValueError("a reduced draft vocabulary needs the training token counts")
-        d2t, t2d = draft_vocab_maps(counts, spec.draft_vocab)
-        head.d2t[...] = jnp.asarray(d2t)
-        head.t2d[...] = jnp.asarray(t2d)
-    ids = head.to_target_ids(jnp.arange(spec.draft_vocab))
-    head.lm_head[...] = jnp.take(target_lm_head(target), ids, axis=1).astype(head.lm_head.dtype)
-    head.norm[...] = final_norm
-    return head
-
-
-def _new_parallel(spec: HeadSpec, target: Llama, rngs: nnx.Rngs, eye, final_norm):
-    """PARD: the target's embeddings (plus a mask row, the mean embedding), its first
-    `drafter_layers` layers and final norm. DFlash: the target's first `drafter_layers` layers
-    and final norm; fc passes the first captured layer through. DSpark: DFlash's body, initialised
-    the same way (same draws), plus its own heads as `DSparkHead` makes them (Markov out and
-    confidence zero: a fresh head drafts as its DFlash body; calibration the identity)."""
-    cfg, n = target.config, spec.drafter_layers
-    copy = lambda x: jnp.array(x, copy=True)
-    if spec.kind == "pard":
-        draft = Llama(cfg.replace(vocab_size=cfg.vocab_size + 1, num_layers=n,
-                                  sliding_windows=None), rngs=rngs)
-        embed = target.embed[...]
-        draft.embed[...] = jnp.concatenate([embed, embed.mean(0, keepdims=True)]).astype(
-            draft.embed.dtype)
-        if not cfg.tie_word_embeddings:
-            lm = target.lm_head[...]
-            draft.lm_head[...] = jnp.concatenate([lm, jnp.zeros_like(lm[:, :1])], axis=1)
-        layers = draft.layers
-    else:
-        config = DFlashHeadConfig.for_target(cfg, n, spec.capture_layers, spec.depth)
-        if spec.kind == "dspark":
-            draft = DSparkHead(DSparkHeadConfig.of(config, spec.markov_rank), rngs=rngs)
-        else:
-            draft = DFlashHead(config, rngs=rngs)
-        H = cfg.hidden_size
-        draft.fc[...] = draft.fc[...].at[:H].add(eye)
-        draft.body.embed[...] = target.embed[...].mean(0, keepdims=True)
-        layers = draft.body.layers
-    for name, param in target.layers.items():
-        layers[name][...] = copy(param[...][:n])
-    (draft.final_norm if spec.kind == "pard" else draft.body.final_norm)[...] = final_norm
-    return draft
+    return spec.head_kind.new_head(spec, target, nnx.Rngs(seed), eye, final_norm, counts)
 
 
 def split_head(head):

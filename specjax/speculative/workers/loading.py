@@ -1,0 +1,38 @@
+"""Reading a drafter module, shared by the loaders each worker module registers
+(`registry.register(mode, load)`): a folder path (or a shipped name) is read in the target's
+dtype, an instance is taken as it is, and either is checked against the target."""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from specjax.models import Llama
+from specjax.models.config import ModelConfig
+from specjax.models.registry import load_model, resolve_model_path
+
+
+def read_llama(draft: Any, dtype: str) -> Llama:
+    """A drafter that is a causal LM (draft-target, PARD)."""
+    return draft if isinstance(draft, Llama) else load_model(resolve_model_path(draft),
+                                                             dtype=dtype)
+
+
+def read_head(draft: Any, load: Callable[[Any], Any], target: Llama, what: str, missing: str):
+    """A hidden-state head (`load(path)` reads its folder), checked against `target`;
+    `missing`: the error when the config names none."""
+    if draft is None:
+        raise ValueError(missing)
+    if isinstance(draft, str):
+        draft = load(resolve_model_path(draft))
+    check_head_matches_target(draft.config.hidden_size, draft.config.vocab_size, target.config,
+                              what)
+    return draft
+
+
+def check_head_matches_target(hidden_size: int, vocab_size: int, target: ModelConfig,
+                              what: str) -> None:
+    if hidden_size != target.hidden_size:
+        raise ValueError(f"{what} has hidden_size {hidden_size} but the target's is "
+                         f"{target.hidden_size}: it was trained for another target")
+    if vocab_size != target.vocab_size:
+        raise ValueError(f"{what} has vocab_size {vocab_size} but the target's is "
+                         f"{target.vocab_size}: it was trained for another target")
