@@ -6,7 +6,8 @@ from specjax.analysis import efficiency, measure, speed_vs_batch_size
 
 
 def test_efficiency_matches_the_readme_ngram_row():
-    # README: NGram D=4, tokens/step 2.07, decode speedup 1.33x, t(D+1)/t(1) 1.47 -> 0.95
+    # docs/benchmarks.md, an earlier run of its NGram row: NGram D=4, tokens/step 2.07,
+    # decode speedup 1.33x, t(D+1)/t(1) 1.47 -> 0.95
     assert efficiency(1.33, 2.07, 1.0, 1.47) == pytest.approx(0.94, abs=0.01)
     assert efficiency(2.0, 2.0, 1.0, 1.0) == 1.0  # free drafts, free host: 1.0
 

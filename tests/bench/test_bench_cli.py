@@ -221,7 +221,7 @@ def test_spec_table_prints_each_speedup_beside_the_plain_figure_it_divides_by():
     assert names[names.index("dec speedup") - 1] == "plain decode"
     assert _legend_terms(table) == names  # one entry per column, in the table's order
     legend = _flat(table.legend())
-    # The README's definitions ("Speculative decoding", under the bench table).
+    # docs/benchmarks.md's definitions ("Speculation on the bundled model", under the table).
     assert ("AL: acceptance length: tokens per target step over the steps that verified at "
             "least one draft (accepted drafts + 1)") in legend
     assert ("tok/step: output tokens after the first / target steps after the prompt's "
