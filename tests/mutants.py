@@ -229,8 +229,10 @@ class Outcome:
 
 def run_tests(root: Path, tests: tuple[str, ...], stop_at_first: bool = True) -> Outcome:
     start = time.perf_counter()
-    # One process: the parent run already has a worker per core (pyproject's `-n auto`).
+    # One process: the parent run already has a worker per core (pyproject's `-n auto`); the
+    # tests named run whether or not they are marked slow.
     cmd = [sys.executable, "-m", "pytest", "-q", "-rf", "-p", "no:cacheprovider", "-n", "0",
+           "-m", "slow or not slow",
            *(["-x"] if stop_at_first else []), *tests]
     out = subprocess.run(cmd, cwd=root, env=_env(root), capture_output=True, text=True)
     text = out.stdout + out.stderr

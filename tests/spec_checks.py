@@ -6,6 +6,8 @@ one also calls `assert_mixed_acceptance` on the engine's statistics.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -17,12 +19,20 @@ from specjax.models import Llama
 
 
 def spec_llm(target, spec, **kw) -> specjax.LLM:
-    """A small engine for a drafter's tests. One batch bucket: a drafter's step does not
-    depend on it (tests/engine and test_spec_engine.py run every bucket), and warm-up compiles
-    a third of the programs at batch 4."""
-    kw = {**dict(max_batch_size=4, tokens_per_block=4, prefill_chunk=8, progress=False), **kw}
+    """A small engine for a drafter's tests. One batch bucket and one prompt row a prefill
+    step: a drafter's step depends on neither (tests/engine and test_spec_engine.py run every
+    bucket and several prompt rows), and the engine compiles half the programs."""
+    kw = {**dict(max_batch_size=4, tokens_per_block=4, prefill_chunk=8, max_prefill_rows=1,
+                 progress=False), **kw}
     kw.setdefault("batch_sizes", (kw["max_batch_size"],))
     return specjax.LLM(target, speculative_config=spec, **kw)
+
+
+def full_depth(spec):
+    """`spec` with every step at its full depth: warm-up turns the cost model on, whose
+    timing-dependent lengths (tests/speculative/test_verify_lengths.py's subject) would leave
+    a test's full-depth paths to chance and compile every candidate length in every bucket."""
+    return dataclasses.replace(spec, draft_len_schedule={1: spec.max_draft_len})
 
 
 def assert_full_depth(stats: EngineStats, max_draft_len: int) -> None:
@@ -95,3 +105,69 @@ def join_mid_run(llm, prompts, refs, max_tokens) -> None:
         done.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
     assert done == expected
     assert engine.allocator.num_free_blocks == engine.allocator.total_blocks
+
+
+# Helpers appended for the suite's compile budget (issue 60).
+import functools  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+
+@functools.partial(jax.jit, static_argnums=(0, 4))
+def _dense_greedy_rows(graphdef, state, buffer, starts, steps, limits):
+    model = nnx.merge(graphdef, state)
+    rows = jnp.arange(buffer.shape[0])
+
+    def body(i, buf):
+        pos = starts + i
+        logits = model(buf)[rows, pos - 1]
+        new = jnp.where(i < limits, jnp.argmax(logits, -1).astype(buf.dtype), buf[rows, pos])
+        return buf.at[rows, pos].set(new)
+
+    return jax.lax.fori_loop(0, steps, body, buffer)
+
+
+def dense_greedy_refs(model: Llama, prompts, max_tokens) -> dict[tuple, list[int]]:
+    """{tuple(prompt): dense_greedy(model, prompt, n)} for every prompt at once: one jitted
+    loop over the prompts right-padded into one batch (causal: a row's padding never reaches
+    its logits), one compile instead of one per prompt length and token count. `max_tokens`:
+    an int, or a function of the prompt. No EOS stop (the test models have none)."""
+    prompts = list(dict.fromkeys(tuple(p) for p in prompts))
+    counts = [max_tokens(list(p)) if callable(max_tokens) else max_tokens for p in prompts]
+    total = max(len(p) + n for p, n in zip(prompts, counts))
+    if total > model.config.max_position_embeddings:
+        raise ValueError(f"{total} tokens exceed the model's context")
+    buffer = np.zeros((len(prompts), 1 << (total - 1).bit_length()), np.int32)
+    for row, p in enumerate(prompts):
+        buffer[row, :len(p)] = p
+    starts = np.asarray([len(p) for p in prompts], np.int32)
+    graphdef, state = nnx.split(model)
+    out = np.asarray(_dense_greedy_rows(graphdef, state, buffer, starts, max(counts),
+                                        np.asarray(counts, np.int32)))
+    return {p: [int(t) for t in out[row, len(p):len(p) + n]]
+            for row, (p, n) in enumerate(zip(prompts, counts))}
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _dense_argmax(graphdef, state, buffer):
+    return jnp.argmax(nnx.merge(graphdef, state)(buffer)[0], axis=-1)
+
+
+def is_dense_greedy(model: Llama, prompt, tokens, max_new_tokens: int,
+                    eos_token_ids=()) -> bool:
+    """Whether `dense_greedy(model, prompt, max_new_tokens, eos_token_ids) == tokens`, from
+    one dense forward instead of one per token: greedy iff each token is the argmax of the
+    dense logits after the prompt and the tokens before it, no EOS before the last, and the
+    last is an EOS or the budget's. The buffer is `dense_greedy`'s (same shape; causal, so
+    later tokens never reach earlier logits): each argmax is the one its loop takes."""
+    prompt, tokens = list(prompt), list(tokens)
+    if not tokens or len(tokens) > max_new_tokens or any(t in eos_token_ids
+                                                         for t in tokens[:-1]):
+        return False
+    if len(tokens) < max_new_tokens and tokens[-1] not in eos_token_ids:
+        return False
+    total = len(prompt) + max_new_tokens
+    buffer = np.zeros((1, 1 << (total - 1).bit_length()), np.int32)
+    buffer[0, :len(prompt) + len(tokens)] = prompt + tokens
+    argmax = np.asarray(_dense_argmax(*nnx.split(model), buffer))
+    return [int(t) for t in argmax[len(prompt) - 1:len(prompt) + len(tokens) - 1]] == tokens

@@ -21,6 +21,7 @@ def load_example():
     return module
 
 
+@pytest.mark.slow   # two engines and the hand-driven steps of each compiled: ~21 s here
 def test_custom_loop_matches_llm_generate_and_accepts_drafts(capsys):
     # Two prompts (one longer than a prefill chunk) in one batch; 24 tokens keeps several
     # generation steps while compiling (which dominates on CPU) stays the same.

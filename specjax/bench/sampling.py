@@ -57,11 +57,12 @@ def in_step_configs(max_draft_len: int, rejection_sampling: bool = True
 def make_llm(spec: SpeculativeConfig | None, max_batch_size: int = 16,
              max_model_len: int = 64) -> LLM:
     """The bundled target (float32), overlap off so the slot state read after each step holds
-    exactly the drafts the next step verifies. Compiled lazily: only the shapes used, and one
-    batch size (the tail of a run pads instead of compiling each smaller bucket)."""
+    exactly the drafts the next step verifies. Compiled lazily: only the shapes used, one
+    batch size (the tail of a run pads instead of compiling each smaller bucket) and one
+    prompt row a prefill step (one prefill program: its prompts are short)."""
     return LLM(str(CHECKPOINTS_DIR / BUNDLED_TARGET), max_batch_size=max_batch_size,
                batch_sizes=(max_batch_size,),
-               max_prefill_rows=4, prefill_chunk=16, max_model_len=max_model_len,
+               max_prefill_rows=1, prefill_chunk=16, max_model_len=max_model_len,
                speculative_config=spec, overlap_scheduler=False, warmup=False, progress=False)
 
 

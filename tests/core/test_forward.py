@@ -16,6 +16,7 @@ from specjax.models.dense_greedy import dense_greedy
 from specjax.models.eagle3_head import Eagle3Head, Eagle3HeadConfig
 from specjax.speculative.config import EagleConfig
 from tests.conftest import TINY
+from tests.spec_checks import full_depth, is_dense_greedy
 
 
 @pytest.mark.parametrize("tree", [False, True])
@@ -55,10 +56,37 @@ def long_model():
     return Llama(LONG, rngs=nnx.Rngs(3))
 
 
+class DenseGreedy:
+    """Plain greedy's continuation of each prompt (`dense_greedy`'s, one dense forward per
+    token), proven with one forward (`is_dense_greedy`): the first continuation seen for a
+    prompt is proven so, every later one must equal it."""
+
+    def __init__(self, model, prompts):
+        self.model, self.prompts, self.proven = model, prompts, {}
+
+    def check(self, i: int, tokens: list[int], context) -> None:
+        if i not in self.proven:
+            assert is_dense_greedy(self.model, self.prompts[i], tokens, MAX_TOKENS), (
+                context, tokens)
+            self.proven[i] = tokens
+        assert tokens == self.proven[i], context
+
+
 @pytest.fixture(scope="module")
 def prompts_and_refs(long_model):
     prompts = [[(7 * i + 3 * n) % 61 + 1 for i in range(n)] for n in LENGTHS]
-    return prompts, [dense_greedy(long_model, p, MAX_TOKENS) for p in prompts]
+    return prompts, DenseGreedy(long_model, prompts)
+
+
+def test_the_dense_check_is_dense_greedy(long_model, prompts_and_refs):
+    """`DenseGreedy` proves what `dense_greedy` decodes (the short prompt's, one loop), and
+    refuses a continuation that is not greedy."""
+    prompts, refs = prompts_and_refs
+    want = dense_greedy(long_model, prompts[0], MAX_TOKENS)
+    wrong = want[:5] + [(want[5] + 1) % LONG.vocab_size] + want[6:]
+    with pytest.raises(AssertionError):
+        DenseGreedy(long_model, prompts).check(0, wrong, "wrong")
+    refs.check(0, want, "dense_greedy")
 
 
 def _head(model):
@@ -74,18 +102,27 @@ SPECS = {
 }
 
 
-@pytest.mark.parametrize("mode", list(SPECS))
+# Plain steps and a hidden-state drafter in the default run; NGram (a host drafter: the same
+# verify widths as EAGLE-3's) and the self-drafting draft model (~10 s) in the slow job.
+@pytest.mark.parametrize("mode", [pytest.param(m, marks=() if m in ("plain", "eagle3") else
+                                               pytest.mark.slow) for m in SPECS])
 def test_contexts_across_widths_are_exact(mode, long_model, prompts_and_refs):
     prompts, refs = prompts_and_refs
-    llm = specjax.LLM(long_model, speculative_config=SPECS[mode](long_model), max_batch_size=4,
-                      tokens_per_block=16, prefill_chunk=64, progress=False, warmup=True)
+    spec = SPECS[mode](long_model)
+    # One batch bucket, one prompt row a step: batches of 1, 2 and 4 rows run padded to 4
+    # (the chunk count still set by the longest row), half the programs to warm up.
+    llm = specjax.LLM(long_model, speculative_config=spec and full_depth(spec), max_batch_size=4,
+                      batch_sizes=(4,), max_prefill_rows=1, tokens_per_block=16,
+                      prefill_chunk=64, progress=False, warmup=True)
     params = SamplingParams(max_tokens=MAX_TOKENS)
+    outputs = []
     with count_compilations() as compiled:
         for batch in ([0], [1], [2], [3], [0, 1], [0, 3], [0, 1, 2, 3]):
             outs = llm.generate([prompts[i] for i in batch], params)
-            for i, out in zip(batch, outs):
-                assert out.token_ids == refs[i], (mode, LENGTHS[i], batch)
+            outputs += [(i, out.token_ids, batch) for i, out in zip(batch, outs)]
         assert compiled() == 0
+    for i, tokens, batch in outputs:  # the dense check compiles: after the count
+        refs.check(i, tokens, (mode, LENGTHS[i], batch))
     allocator = llm.engine.allocator
     assert allocator.num_free_blocks == allocator.total_blocks
     if mode == "draft_target_self":  # reading the drafter's pool wrongly would reject drafts

@@ -22,7 +22,7 @@ from specjax.models import Eagle3Head, Eagle3HeadConfig, Llama
 from specjax.models.bamba import Bamba
 from specjax.models.config import ATTENTION, MAMBA, MambaConfig, ModelConfig
 from specjax.models.dense_greedy import dense_greedy
-from tests.spec_checks import acceptance_summary, assert_mixed_acceptance
+from tests.spec_checks import acceptance_summary, assert_mixed_acceptance, full_depth
 from tests.speculative.test_spec_engine import Oracle
 
 HYBRID = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=3,
@@ -152,7 +152,7 @@ def test_preemption_recomputes_the_state_exactly(target, bigram, refs):
 
 
 def test_no_compilation_after_warmup(target, bigram, refs):
-    llm = _llm(target, DraftTargetConfig(max_draft_len=D, speculative_model=bigram),
+    llm = _llm(target, full_depth(DraftTargetConfig(max_draft_len=D, speculative_model=bigram)),
                batch_sizes=None, warmup=True)
     with count_compilations() as compiled:
         for n in (1, 3, 4, 2):

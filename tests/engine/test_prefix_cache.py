@@ -16,8 +16,10 @@ import specjax
 from specjax import DraftTargetConfig, EagleConfig, SamplingParams
 from specjax.engine.prefix_cache import PrefixCachePolicy
 
-SIZES = dict(max_batch_size=2, prefill_chunk=32, max_model_len=192, tokens_per_block=8,
-             overlap_scheduler=False, progress=False)
+# One batch bucket and one prompt row a step (neither is what publication is about): two
+# programs a drafter, not four.
+SIZES = dict(max_batch_size=2, batch_sizes=(2,), prefill_chunk=32, max_prefill_rows=1,
+             max_model_len=192, tokens_per_block=8, overlap_scheduler=False, progress=False)
 PROMPTS = ["def fibonacci(n):", "import os\n\n\ndef read_config(path):\n", "class Stack:\n"]
 PARAMS = SamplingParams(max_tokens=40)
 CONFIGS = {"eagle3": EagleConfig(max_draft_len=4),   # its K/V at t read the token at t+1

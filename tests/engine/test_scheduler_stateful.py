@@ -127,7 +127,9 @@ def _machine(engine, roomy, references: dict, totals: Totals):
     return Scheduling
 
 
-@pytest.mark.parametrize("speculation", [False, True], ids=["plain-overlap", "ngram"])
+# Speculating (NGram) in the default run, plain decoding (~11 s) in the slow job.
+@pytest.mark.parametrize("speculation", [pytest.param(False, marks=pytest.mark.slow), True],
+                         ids=["plain-overlap", "ngram"])
 def test_tiny_pool_scheduling_is_exact_and_leak_free(tiny_model, speculation):
     engine, roomy = _engines(tiny_model, speculation)
     totals = Totals()

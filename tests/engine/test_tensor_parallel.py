@@ -15,7 +15,9 @@ SPEC_MODES = ["ngram", "sa", "draft_target", "eagle3", "mtp", "tree"]  # perm ta
 
 
 def tp_results(modes: list[str], sizes: list[int]) -> dict:
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    # The suite's XLA flags (tests/conftest.py) and four host devices.
+    env = {**os.environ, "XLA_FLAGS": " ".join([os.environ.get("XLA_FLAGS", ""),
+                                                 "--xla_force_host_platform_device_count=4"])}
     done = subprocess.run([sys.executable, "-m", "tests.engine.tp_run",
                            json.dumps({"modes": ["plain", *modes], "sizes": sizes})],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)

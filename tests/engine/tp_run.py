@@ -8,14 +8,14 @@ partition spec with its bytes on one device against its total. Size 1 is always 
 what the others must equal.
 """
 from __future__ import annotations
-import dataclasses
 
 import json
 import os
 import sys
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
-os.environ["SPECJAX_COMPILATION_CACHE"] = "off"
+# The test run's compilation cache (tests/conftest.py), when a test started this.
+os.environ.setdefault("SPECJAX_COMPILATION_CACHE", "off")
 
 import jax  # noqa: E402
 
@@ -24,12 +24,16 @@ from specjax.engine.compile_counter import count_compilations  # noqa: E402
 from specjax.speculative.config import (DFlashConfig, DraftTargetConfig,  # noqa: E402
                                         DSparkConfig, EagleConfig, MTPConfig, NGramConfig,
                                         PARDConfig, SAConfig)
-from tests.spec_checks import truncated_copy  # noqa: E402
+from tests.spec_checks import full_depth, truncated_copy  # noqa: E402
 from tests.speculative.perm_models import (CFG, PROMPTS, eagle_head, mtp_heads,  # noqa: E402
                                            perm_target)
 
-# Four KV heads, so that 2 and 4 devices both split them.
-TP_CFG = CFG.replace(num_kv_heads=4)
+# Four KV heads, so that 2 and 4 devices both split them; 5 layers instead of the perm target's
+# 8 (every layer is split alike, and the steps compile in about half the time), where every
+# drafter below still has drafts both accepted and rejected. EAGLE-3's default capture layers
+# need more than 5 layers: these are its default's pattern (1, L//2 - 1, L - 4 = 1, 3, 4 at 8).
+TP_CFG = CFG.replace(num_kv_heads=4, num_layers=5)
+CAPTURE = (1, 2, 3)
 MAX_TOKENS = 16
 
 
@@ -53,13 +57,15 @@ def speculation(mode, target, perm):
         "ngram": lambda: NGramConfig(max_draft_len=3),
         "sa": lambda: SAConfig(max_draft_len=3),
         "draft_target": lambda: DraftTargetConfig(max_draft_len=3,
-                                                  speculative_model=truncated_copy(target, 4)),
-        "eagle3": lambda: EagleConfig(max_draft_len=3, speculative_model=eagle_head(target, perm)),
+                                                  speculative_model=truncated_copy(target, 2)),
+        "eagle3": lambda: EagleConfig(max_draft_len=3, speculative_model=eagle_head(target, perm),
+                                      eagle3_layers_to_capture=CAPTURE),
         "mtp": lambda: MTPConfig(max_draft_len=3, num_nextn_predict_layers=1,
                                  speculative_model=mtp_heads(1, cfg=target.config)),
         "tree": lambda: EagleConfig(max_draft_len=3, use_dynamic_tree=True,
                                     dynamic_tree_max_topK=2, max_total_draft_tokens=6,
-                                    speculative_model=eagle_head(target, perm)),
+                                    speculative_model=eagle_head(target, perm),
+                                    eagle3_layers_to_capture=CAPTURE),
     }[mode]()
 
 
@@ -84,10 +90,12 @@ def run(mode: str, size: int, target, perm) -> dict:
     spec = speculation(mode, target, perm)
     if spec is not None and spec.max_draft_len:  # one length: these runs compare device
         # counts, and warm-up would otherwise compile every length the cost model may pick
-        spec = dataclasses.replace(spec, draft_len_schedule={1: spec.max_draft_len})
+        spec = full_depth(spec)
+    # One generation batch shape and one prompt row per prefill step: warm-up compiles one
+    # program of each (5 prompts for 4 rows: one request waits for a free row).
     llm = LLM("bundled" if bundled else target, speculative_config=spec,
               max_batch_size=4, batch_sizes=(4,), max_model_len=128 if bundled else 64,
-              tokens_per_block=4, prefill_chunk=8 if not bundled else 32,
+              tokens_per_block=4, prefill_chunk=8 if not bundled else 32, max_prefill_rows=1,
               tensor_parallel_size=size, seed=0, progress=False, warmup=True)
     prompts = CODE if bundled else PROMPTS
     sampled = [SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, seed=10 + i)

@@ -37,7 +37,10 @@ TIE = 1e-3
 
 @pytest.fixture(scope="module")
 def llm():
-    return specjax.LLM("smollm2", max_batch_size=4, max_model_len=512, progress=False)
+    # One generation shape and one prefill shape: each of this model's unrolled 30-layer
+    # programs takes about 12-25 s to compile here, and batching is tested on tiny models.
+    return specjax.LLM("smollm2", max_batch_size=4, batch_sizes=(4,), max_prefill_rows=1,
+                       max_model_len=512, progress=False)
 
 
 @pytest.fixture(scope="module")
@@ -72,6 +75,10 @@ def test_logits_match_transformers(llm, hf):
         assert err <= LOGIT_BOUND
 
 
+# The engine's own programs for this model (30 unrolled layers) compile in about 35 s here:
+# the two tests that generate run in the slow job; the default run checks the file and the
+# logits against transformers.
+@pytest.mark.slow
 def test_greedy_chat_matches_transformers_and_stops_at_im_end(llm, hf):
     prompts = [chat_ids(llm, q) for q in QUESTIONS]
     outs = llm.generate(prompts, specjax.SamplingParams(max_tokens=TOKENS, temperature=0))
@@ -93,6 +100,7 @@ def test_greedy_chat_matches_transformers_and_stops_at_im_end(llm, hf):
     assert "Paris" in outs[0].text
 
 
+@pytest.mark.slow
 def test_chat_completion_through_the_server(llm):
     """What `python -m specjax.serve --model smollm2` answers: the model's template applied,
     the answer ending at <|im_end|> (finish_reason "stop", the token not in the text)."""
@@ -121,7 +129,8 @@ def test_the_shipped_eagle3_head_is_exact_and_accepts_its_drafts(llm):
     names the mode only: greedy output equal to plain decoding's token for token, drafts
     accepted (a head read with the wrong capture layers or draft-vocabulary map is almost
     never accepted: AL near 1), and the pool back to full."""
-    spec = specjax.LLM("smollm2", max_batch_size=4, max_model_len=512, progress=False,
+    spec = specjax.LLM("smollm2", max_batch_size=4, batch_sizes=(4,), max_prefill_rows=1,
+                       max_model_len=512, progress=False,
                        speculative_config=specjax.EagleConfig(max_draft_len=4))
     assert spec.speculative_config.speculative_model == "smollm2-eagle3"
     prompts = [chat_ids(llm, q) for q in QUESTIONS]

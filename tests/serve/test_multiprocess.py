@@ -45,8 +45,9 @@ def checkpoint(tmp_path_factory):
 
 def start_job(folder) -> tuple[list[subprocess.Popen], str]:
     port, coordinator = free_port(), f"127.0.0.1:{free_port()}"
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
-           "SPECJAX_COMPILATION_CACHE": "off", "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "XLA_FLAGS": " ".join([os.environ.get("XLA_FLAGS", ""),
+                                                 "--xla_force_host_platform_device_count=2"]),
+           "PYTHONUNBUFFERED": "1"}
     procs = [subprocess.Popen(
         [sys.executable, "-m", "specjax.serve", "--model", str(folder), "--port", str(port),
          "--speculative-config", "ngram", "--max-batch-size", "4", "--max-model-len", "64",
@@ -86,6 +87,7 @@ def complete(url, prompt, **params) -> str:
     return response.json()["choices"][0]["text"]
 
 
+@pytest.mark.slow   # two processes each compiling every step shape before /health: ~25 s here
 def test_two_processes_serve_one_process_tokens_and_stop_together(checkpoint):
     folder, greedy, sampled = checkpoint
     procs, url = start_job(folder)

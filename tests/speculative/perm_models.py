@@ -5,6 +5,12 @@ rejected, with no training.
 The target is a tiny 8-layer Llama; its layers perturb the permutation depending on context,
 which is where the heads' drafts go wrong.
 """
+import atexit
+import functools
+import shutil
+import tempfile
+from pathlib import Path
+
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -114,3 +120,20 @@ def trained_parallel_drafter(kind, target, perm, work, depth=3, steps=150):
     head, _ = train_head(spec, tc, target, CorpusSource(stream, stream[:2000]), work,
                          progress=False)
     return head
+
+
+# The depth both parallel-drafter modules train at (test_parallel_engine verifies 3 drafts a
+# step; test_sa_enhancer runs the same drafters at 4: a PARD model or DFlash drafter runs at
+# any depth). One depth, so the two modules can share one training when they share a process.
+PARALLEL_DEPTH = 3
+
+
+@functools.cache
+def shared_parallel_drafter(kind, depth=PARALLEL_DEPTH):
+    """`trained_parallel_drafter(kind)` for `perm_target()` (deterministic: the same weights in
+    every process), trained once per process: test modules on the same worker share it
+    instead of training it again. Callers must not change it."""
+    target, perm = perm_target()
+    work = Path(tempfile.mkdtemp(prefix=f"specjax-tests-{kind}-"))
+    atexit.register(shutil.rmtree, work, ignore_errors=True)
+    return trained_parallel_drafter(kind, target, perm, work, depth=depth)

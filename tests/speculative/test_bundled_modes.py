@@ -12,8 +12,10 @@ from tests.spec_checks import assert_mixed_acceptance
 
 PROMPTS = ["def fibonacci(n):", "import os\n\n\ndef read_config(path):\n", "class Stack:\n"]
 PARAMS = SamplingParams(max_tokens=32)
-SIZES = dict(max_batch_size=2, batch_sizes=(2,), prefill_chunk=32, max_model_len=128,
-             progress=False)
+# One batch bucket and one prompt row a prefill step: the modes are the subject here, not the
+# buckets or prefill batching (tests/engine runs those), and each engine compiles two programs.
+SIZES = dict(max_batch_size=2, batch_sizes=(2,), prefill_chunk=32, max_prefill_rows=1,
+             max_model_len=128, progress=False)
 # Penalties count the drafts before each verified position; logprobs are the target's.
 OPTIONS = [SamplingParams(max_tokens=24, logprobs=3, presence_penalty=0.8),
            SamplingParams(max_tokens=24, logprobs=0, frequency_penalty=0.5,
@@ -68,25 +70,38 @@ def assert_same_logprobs(outs, plain_outs):
             assert max(abs(e[t] - r[t]) for t in e) <= LOGPROB_TOL
 
 
-@pytest.mark.parametrize("config", [
+# The default run checks the default drafter (the shipped EAGLE-3 head), its dynamic tree, the
+# shipped draft model and a host drafter (NGram); the other shipped checkpoints run the same
+# test in the slow job (about 8 s each here). Their mechanisms stay in the default run on tiny
+# models: MTP in test_hidden_drafters, PARD and DFlash in test_parallel_engine, SA in
+# test_sa_enhancer, user drafters in test_spec_engine.
+slow = pytest.mark.slow
+CONFIGS = [
     NGramConfig(max_draft_len=4, max_matching_ngram_size=3),
-    UserProvidedConfig(max_draft_len=3, drafter=Repeat()),
+    pytest.param(UserProvidedConfig(max_draft_len=3, drafter=Repeat()), marks=slow),
     DraftTargetConfig(max_draft_len=4, speculative_model="bundled-draft"),
     # No drafter named: for the bundled target the shipped head fills in.
     EagleConfig(max_draft_len=4),
-    MTPConfig(max_draft_len=3, num_nextn_predict_layers=3, use_mtp_vanilla=True,
-              speculative_model="bundled-mtp"),
+    pytest.param(MTPConfig(max_draft_len=3, num_nextn_predict_layers=3, use_mtp_vanilla=True,
+                           speculative_model="bundled-mtp"), marks=slow),
     # MTP-Eagle: the shipped first module reused for every draft step.
-    MTPConfig(max_draft_len=3, num_nextn_predict_layers=1,
-              speculative_model=str(CHECKPOINTS_DIR / "stdlib-mtp")),
+    pytest.param(MTPConfig(max_draft_len=3, num_nextn_predict_layers=1,
+                           speculative_model=str(CHECKPOINTS_DIR / "stdlib-mtp")), marks=slow),
     # A dynamic tree drafted by the shipped head.
     EagleConfig(max_draft_len=4, use_dynamic_tree=True, dynamic_tree_max_topK=3,
                 max_total_draft_tokens=10),
     # The parallel drafters: the mask token and the capture layers from their folders.
-    PARDConfig(max_draft_len=4, speculative_model="bundled-pard"),
-    DFlashConfig(max_draft_len=4, speculative_model="bundled-dflash"),
-    SAConfig(max_draft_len=4),
-], ids=lambda c: c.mode.name + ("_TREE" if getattr(c, "use_dynamic_tree", False) else ""))
+    pytest.param(PARDConfig(max_draft_len=4, speculative_model="bundled-pard"), marks=slow),
+    pytest.param(DFlashConfig(max_draft_len=4, speculative_model="bundled-dflash"), marks=slow),
+    pytest.param(SAConfig(max_draft_len=4), marks=slow),
+]
+
+
+def config_id(config) -> str:
+    return config.mode.name + ("_TREE" if getattr(config, "use_dynamic_tree", False) else "")
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=config_id)
 def test_bundled_greedy_equivalence(plain, config):
     llm = specjax.LLM("bundled", speculative_config=config, **SIZES)
     if config.mode.has_draft_module():

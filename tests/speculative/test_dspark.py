@@ -17,7 +17,6 @@ from specjax.bench.sampling import (depth_groups, in_step_configs, judge_groups,
                                     sample_and_tag, target_probs)
 from specjax.core.batch import empty_batch
 from specjax.core.sampling import filter_logits
-from specjax.engine import engine as engine_module
 from specjax.engine.costs import CostTable
 from specjax.models.dflash_checkpoint import load_dflash_head
 from specjax.models.dflash_head import DFlashHeadConfig
@@ -28,7 +27,7 @@ from specjax.speculative.workers.dspark import markov_drafts
 from tests.conftest import TINY
 # The prompts, engine sizes, plain reference and fixed step costs of the cost model's tests.
 from tests.speculative.test_verify_lengths import (GREEDY, PROMPTS, _llm,  # noqa: F401
-                                                  plain_outputs, set_costs)
+                                                  explore, plain_outputs, set_costs)
 
 DFLASH = CHECKPOINTS_DIR / "stdlib-dflash"
 pytestmark = pytest.mark.skipif(not (DFLASH / "config.json").exists(),
@@ -188,17 +187,16 @@ def stronger_markov(config):
 def scheduled_run():
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(CostTable, "observe", lambda self, *args: None)
-        # Seeded rows (the test's) would pin their steps at the configured length.
-        mp.setattr(engine_module.Engine, "_length_decides_output", lambda self, r: False)
-        # Every other step explores (another length); the rest are the confidences' choice.
-        mp.setattr(engine_module, "EXPLORE_EVERY", 2)
-        mp.setattr(engine_module, "EXPLORE_STEPS", 1)
         llm = make_llm(stronger_markov(SHIPPED))
         set_costs(llm, lambda d: 1.0 + 0.1 * d)
+        # Every other step explores (another length); the rest are the confidences' choice.
+        # Seeded rows (the test's) would pin their steps at the configured length.
+        explore(llm, every=2, keep_seeded_text=False)
         tags = sample_and_tag(llm, D, N, MAX_TOKENS, TEMPERATURE, seed_offset=5 * 10**6)
     return llm, tags, target_probs(llm, tags.sequences, TEMPERATURE)
 
 
+@pytest.mark.slow   # 128 sequences sampled and judged: ~37 s here
 @pytest.mark.skipif(SHIPPED is None, reason="no bundled DSpark drafter")
 def test_sampled_tokens_follow_the_target_under_confidence_scheduling(scheduled_run):
     llm, tags, p = scheduled_run

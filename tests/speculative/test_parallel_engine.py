@@ -21,8 +21,8 @@ from specjax.models.pard_checkpoint import read_mask_token, save_pard_model
 from specjax.speculative.config import DFlashConfig, PARDConfig, SpeculativeConfig
 from specjax.train.heads.parallel import dflash_logits, pard_logits
 from tests.spec_checks import assert_mixed_acceptance, join_mid_run, spec_llm
-from tests.speculative.perm_models import (CFG, LAYERS, MAX_TOKENS, PROMPTS,
-                                           trained_parallel_drafter)
+from tests.speculative.perm_models import (CFG, LAYERS, MAX_TOKENS, PARALLEL_DEPTH, PROMPTS,
+                                           shared_parallel_drafter)
 
 V = CFG.vocab_size
 D = 3
@@ -40,11 +40,11 @@ def _config(kind, drafter, **kw):
 
 
 @pytest.fixture(scope="module")
-def drafters(perm_target, tmp_path_factory):
-    target, perm = perm_target
-    return {kind: trained_parallel_drafter(kind, target, perm, tmp_path_factory.mktemp(kind),
-                                           depth=D)
-            for kind in ("pard", "dflash")}
+def drafters():
+    """Trained for the perm target at depth D, once per process (`test_sa_enhancer` uses the
+    same ones)."""
+    assert PARALLEL_DEPTH == D
+    return {kind: shared_parallel_drafter(kind) for kind in ("pard", "dflash")}
 
 
 @pytest.fixture(scope="module")
@@ -96,9 +96,12 @@ def test_requests_joining_mid_run(llms, refs, kind):
 @pytest.mark.parametrize("kind", ["pard", "dflash"])
 def test_schedule_moves_the_draft_length_as_requests_finish(perm_target, drafters, refs, kind):
     """Batch 4 with the schedule {1: 3, 2: 2, 4: 0}: no drafts while 4 run (the worker only
-    catches up), 2 for 2-3, 3 for the last; output stays plain greedy's."""
+    catches up), 2 for 2-3, 3 for the last; output stays plain greedy's. (Strict matching, as
+    `llms`: the greedy rows accept the same either way, and its full-depth step is `llms`'s
+    program.)"""
     target, _ = perm_target
-    llm = spec_llm(target, _config(kind, drafters[kind], draft_len_schedule={1: 3, 2: 2, 4: 0}))
+    llm = spec_llm(target, _config(kind, drafters[kind], use_rejection_sampling=False,
+                                   draft_len_schedule={1: 3, 2: 2, 4: 0}))
     lengths = [6, 10, 14, MAX_TOKENS]
     outs = llm.generate(PROMPTS[:4], [SamplingParams(max_tokens=n) for n in lengths])
     for prompt, n, out in zip(PROMPTS, lengths, outs):

@@ -24,9 +24,16 @@ from specjax.sampling_params import SamplingParams
 
 N, MAX_TOKENS, TEMPERATURE, D = 128, 32, 0.8, 3
 CONFIGS = in_step_configs(D)
-DRAFTERS = sorted(CONFIGS)
+# The default run judges the draft model (whose groups the acceptance mutants run against,
+# tests/mutants.py): the acceptance code every in-step drafter shares. The other drafters'
+# runs, the same test on the way each proposes its q, are in the slow job (each sampling run
+# is about 30 s here).
+DEFAULT_RUN = ("draft_target_one_model",)
+DRAFTERS = [pytest.param(name, marks=() if name in DEFAULT_RUN else pytest.mark.slow)
+            for name in sorted(CONFIGS)]
+FIRST = next((name for name in DEFAULT_RUN if name in CONFIGS), None)
 GROUPS = ["plain", "depth 1", "depth 2", "depth 3", "bonus (full chain)", "bonus (short chain)"]
-pytestmark = pytest.mark.skipif(not DRAFTERS, reason="no bundled in-step drafter")
+pytestmark = pytest.mark.skipif(FIRST is None, reason="no bundled in-step drafter")
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +87,7 @@ def test_the_statistic_detects_the_draft_distribution(runs, drafter):
 
 
 def test_rejection_sampling_accepts_more_than_strict_matching(runs):
-    name = DRAFTERS[0]
+    name = FIRST
     llm = runs(name)[0]
     strict = make_llm(dataclasses.replace(CONFIGS[name], use_rejection_sampling=False),
                       max_batch_size=8)
@@ -89,7 +96,7 @@ def test_rejection_sampling_accepts_more_than_strict_matching(runs):
 
 
 def test_greedy_rows_stay_exact_beside_sampled_ones(runs):
-    llm = runs(DRAFTERS[0])[0]
+    llm = runs(FIRST)[0]
     greedy = SamplingParams(max_tokens=20)
     mixed = [greedy, SamplingParams(max_tokens=20, temperature=1.0, seed=1), greedy]
     outs = llm.generate([PROMPT, PROMPT, "import os\n"], mixed)
@@ -123,6 +130,7 @@ def tree_run():
     return llm, tags, target_probs(llm, tags.sequences, TEMPERATURE)
 
 
+@pytest.mark.slow   # sampled trees stay in the default run through tests/core/test_tree.py
 @pytest.mark.skipif("eagle3_one_model" not in CONFIGS, reason="no bundled EAGLE-3 head")
 def test_tree_tokens_follow_the_target_at_every_depth_and_sibling(tree_run):
     llm, tags, p = tree_run
@@ -135,6 +143,7 @@ def test_tree_tokens_follow_the_target_at_every_depth_and_sibling(tree_run):
     assert llm.engine.allocator.num_free_blocks == llm.engine.allocator.total_blocks
 
 
+@pytest.mark.slow
 @pytest.mark.skipif("eagle3_one_model" not in CONFIGS, reason="no bundled EAGLE-3 head")
 def test_the_tree_statistic_detects_the_draft_distribution(tree_run):
     """The siblings' own tokens (drawn from q_i) judged against p_i must fail."""
@@ -145,6 +154,7 @@ def test_the_tree_statistic_detects_the_draft_distribution(tree_run):
         assert r.differs, f"drafts, {r.name}: chi2 {r.stat:.1f} <= {r.critical:.1f}"
 
 
+@pytest.mark.slow
 @pytest.mark.skipif("eagle3_one_model" not in CONFIGS, reason="no bundled EAGLE-3 head")
 def test_greedy_rows_of_a_sampled_tree_batch_stay_exact(tree_run):
     llm = tree_run[0]

@@ -17,16 +17,16 @@ from specjax.core.sampling import sample, sampling_keys
 from specjax.models import Llama
 from specjax.models.dense_greedy import dense_greedy
 from specjax.speculative.config import DraftTargetConfig, SAEnhancerConfig
-from tests.speculative.perm_models import CFG, trained_parallel_drafter
+from tests.speculative.perm_models import CFG, shared_parallel_drafter
 from tests.speculative.sa_engines import (D, MAX_TOKENS, built_on_first_use, check_greedy,
                                           enhanced, full_pool, make_llm)
 
 
 @pytest.fixture(scope="module")
-def drafters(perm_target, tmp_path_factory):
-    target, perm = perm_target
-    return built_on_first_use(lambda kind: trained_parallel_drafter(
-        kind, target, perm, tmp_path_factory.mktemp(kind), depth=D))
+def drafters():
+    """PARD and DFlash drafters trained for the perm target, once per process (at
+    `PARALLEL_DEPTH`, shared with `test_parallel_engine`; they run at any depth, here D)."""
+    return shared_parallel_drafter
 
 
 @pytest.fixture(scope="module")
@@ -42,9 +42,14 @@ def llms(perm_target, drafters):
 
 
 ENHANCED = ["eagle3", "eagle3-tree", "mtp", "draft_target", "pard", "dflash"]
+# The default run enhances a hidden-state drafter and a draft model (the two ways a step feeds
+# its drafter); the enhancer's rows are the same for the rest, which run in the slow job (each
+# drafter's first batch compiles its engine: 7-16 s here).
+DEFAULT_RUN = ("eagle3", "draft_target")
 
 
-@pytest.mark.parametrize("kind", ENHANCED)
+@pytest.mark.parametrize("kind", [pytest.param(k, marks=() if k in DEFAULT_RUN else
+                                               pytest.mark.slow) for k in ENHANCED])
 @pytest.mark.parametrize("batch,overlap", [(1, True), (4, True), (4, False)])
 def test_enhanced_greedy_output_equals_plain_decoding(llms, repetitive, kind, batch, overlap):
     llm = llms(kind)

@@ -3,7 +3,8 @@ drafter): whatever draft lengths it picks, greedy output is plain decoding's and
 follows the target at every depth; its choices follow the step costs; the pool ends full.
 
 The step costs here are set by the test (`CostTable.observe` frozen, so real timings cannot
-move them) and exploration is forced often, so a short run switches lengths many times.
+move them) and exploration is made frequent (the length policy's `explore_every`), so a short
+run switches lengths many times.
 """
 import dataclasses
 
@@ -12,7 +13,6 @@ import pytest
 from specjax import NGramConfig, SamplingParams, UserProvidedConfig
 from specjax.bench.sampling import (depth_groups, in_step_configs, judge_groups, make_llm,
                                     sample_and_tag, target_probs)
-from specjax.engine import engine as engine_module
 from specjax.engine.costs import CostTable
 from specjax.llm import LLM
 from specjax.models.registry import BUNDLED_TARGET, CHECKPOINTS_DIR
@@ -28,9 +28,18 @@ GREEDY = SamplingParams(max_tokens=40, ignore_eos=True)
 
 def set_costs(llm: LLM, seconds) -> None:
     """A table for every bucket: draft length d's step costs seconds(d)."""
-    engine = llm.engine
-    engine.costs = CostTable({(b, engine.speculation.verify_len(d) + 1): seconds(d)
-                              for b in engine.executor.decode_buckets for d in engine.candidates})
+    lengths = llm.engine.length_policy
+    lengths.costs = CostTable({(b, lengths.width(d)): seconds(d)
+                               for b in llm.engine.executor.decode_buckets
+                               for d in lengths.candidates})
+
+
+def explore(llm: LLM, every: int, steps: int = 1, keep_seeded_text: bool = True) -> None:
+    """Every `every` steps the length policy explores, for `steps` steps; with
+    `keep_seeded_text=False` seeded sampled rows let the lengths switch too."""
+    lengths = llm.engine.length_policy
+    lengths.explore_every, lengths.explore_steps = every, steps
+    lengths.keep_seeded_text = keep_seeded_text
 
 
 @pytest.fixture
@@ -40,8 +49,9 @@ def frozen(monkeypatch):
 
 
 def _llm(spec, **kw):
+    # One prompt row a prefill step: one prefill program (prefill batching is not the subject).
     kw = {**dict(max_batch_size=4, batch_sizes=(4,), max_model_len=128, prefill_chunk=16,
-                 progress=False), **kw}
+                 max_prefill_rows=1, progress=False), **kw}
     return LLM(str(CHECKPOINTS_DIR / BUNDLED_TARGET), speculative_config=spec, **kw)
 
 
@@ -62,13 +72,14 @@ TREE = None if EAGLE3 is None else dataclasses.replace(
     max_total_draft_tokens=8)
 
 
-@pytest.mark.parametrize("spec", [EAGLE3, TREE, NGramConfig(max_draft_len=4)],
+# NGram (a host drafter: its second look, `choose(..., caps, longest)`) in the slow job: ~13 s.
+@pytest.mark.parametrize("spec", [EAGLE3, TREE, pytest.param(NGramConfig(max_draft_len=4),
+                                                             marks=pytest.mark.slow)],
                          ids=["eagle3", "eagle3-tree", "ngram"])
 def test_switching_lengths_every_step_keeps_greedy_output_exact(frozen, plain_outputs, spec):
     llm = _llm(spec)
     set_costs(llm, lambda d: 1.0)      # verifying is free: the choice is the longest ...
-    frozen.setattr(engine_module, "EXPLORE_EVERY", 2)   # ... and every other step explores
-    frozen.setattr(engine_module, "EXPLORE_STEPS", 1)
+    explore(llm, every=2)              # ... and every other step explores
     outs = llm.generate(PROMPTS, GREEDY)
     assert [o.token_ids for o in outs] == plain_outputs
     used = [d for d, n in enumerate(llm.stats.draft_len_histogram) if n]
@@ -83,7 +94,7 @@ def test_switching_lengths_every_step_keeps_greedy_output_exact(frozen, plain_ou
 def test_the_choice_follows_the_step_costs(frozen, plain_outputs, costly):
     llm = _llm(EAGLE3)
     set_costs(llm, (lambda d: 1.0 + 100 * d) if costly else (lambda d: 1.0))
-    frozen.setattr(engine_module, "EXPLORE_EVERY", 10**9)
+    explore(llm, every=10**9)
     outs = llm.generate(PROMPTS, GREEDY)
     assert [o.token_ids for o in outs] == plain_outputs
     histogram = llm.stats.draft_len_histogram
@@ -97,7 +108,7 @@ def test_the_choice_follows_the_step_costs(frozen, plain_outputs, costly):
 def test_rows_without_proposals_run_plain_steps(frozen):
     llm = _llm(UserProvidedConfig(max_draft_len=4, drafter=Silent()))
     set_costs(llm, lambda d: 1.0 + 0.01 * d)  # drafts nearly free, but there are none
-    frozen.setattr(engine_module, "EXPLORE_EVERY", 10**9)
+    explore(llm, every=10**9)
     llm.generate(PROMPTS[:2], GREEDY)
     assert sum(llm.stats.draft_len_histogram[1:]) == 0, llm.stats.draft_len_histogram
 
@@ -108,8 +119,7 @@ def test_a_named_seed_keeps_its_text_so_its_steps_verify_the_configured_length(f
     the configured length; a request without a seed lets the cost model choose."""
     llm = _llm(EAGLE3)
     set_costs(llm, lambda d: 1.0)
-    frozen.setattr(engine_module, "EXPLORE_EVERY", 2)
-    frozen.setattr(engine_module, "EXPLORE_STEPS", 1)
+    explore(llm, every=2)
     seeded = SamplingParams(max_tokens=32, temperature=1.0, seed=5, ignore_eos=True)
     first = llm.generate(PROMPTS[:2], seeded)
     histogram = llm.stats.draft_len_histogram
@@ -130,14 +140,15 @@ def test_without_measured_costs_steps_verify_the_configured_length(plain_outputs
 
 
 def test_warmup_measures_every_candidate_shape_and_stats_report_it(frozen):
-    llm = _llm(EAGLE3, max_batch_size=2, batch_sizes=(1, 2), warmup=True)
-    widths = {w for _, w in llm.engine.costs.seconds}
+    # Buckets 1 and 4: bucket 4's programs are the other tests' (compiled once, in-process).
+    llm = _llm(EAGLE3, batch_sizes=(1, 4), warmup=True)
+    widths = {w for _, w in llm.engine.length_policy.costs.seconds}
     assert widths == {1, 2, 3, 4, 5}
-    assert {b for b, _ in llm.engine.costs.seconds} == {1, 2}
-    assert all(t > 0 for t in llm.engine.costs.seconds.values())
-    assert llm.stats.step_costs is llm.engine.costs
+    assert {b for b, _ in llm.engine.length_policy.costs.seconds} == {1, 4}
+    assert all(t > 0 for t in llm.engine.length_policy.costs.seconds.values())
+    assert llm.stats.step_costs is llm.engine.length_policy.costs
     snapshot = llm.engine.snapshot()
-    assert dict(snapshot.step_costs) == llm.engine.costs.seconds
+    assert dict(snapshot.step_costs) == llm.engine.length_policy.costs.seconds
 
 
 # Sampled output under switching lengths, at the standard of test_rejection_sampling_e2e.py:
@@ -150,17 +161,16 @@ N, MAX_TOKENS, TEMPERATURE, D = 128, 32, 0.8, 3
 def switching_run():
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(CostTable, "observe", lambda self, *args: None)
-        # The tagged rows are seeded (a deterministic test), which would pin their steps at
-        # the configured length (test_a_named_seed_keeps_its_text...): let lengths switch.
-        mp.setattr(engine_module.Engine, "_length_decides_output", lambda self, r: False)
-        mp.setattr(engine_module, "EXPLORE_EVERY", 2)
-        mp.setattr(engine_module, "EXPLORE_STEPS", 1)
         llm = make_llm(dataclasses.replace(EAGLE3, max_draft_len=D))
         set_costs(llm, lambda d: 1.0)
+        # The tagged rows are seeded (a deterministic test), which would pin their steps at
+        # the configured length (test_a_named_seed_keeps_its_text...): let lengths switch.
+        explore(llm, every=2, keep_seeded_text=False)
         tags = sample_and_tag(llm, D, N, MAX_TOKENS, TEMPERATURE, seed_offset=3 * 10**6)
     return llm, tags, target_probs(llm, tags.sequences, TEMPERATURE)
 
 
+@pytest.mark.slow   # 128 sequences sampled and judged: ~30 s here (greedy switching: above)
 def test_sampled_tokens_follow_the_target_at_every_depth_under_switching_lengths(
         switching_run):
     llm, tags, p = switching_run

@@ -19,6 +19,7 @@ import pytest
 from specjax.models import load_hf_checkpoint
 from specjax.train import corpus, data
 from specjax.train import tokenizer_training as toks
+from tests.spec_checks import is_dense_greedy
 
 CHECKPOINTS = Path(__file__).resolve().parents[2] / "checkpoints"
 BUNDLED = CHECKPOINTS / "stdlib-llama-7m"
@@ -102,6 +103,24 @@ def last_eval(log: dict) -> dict:
 # -- target and draft: greedy samples, validation loss --------------------------------------------
 
 
+def card_tokens_are_greedy(model, tok, prompt: str, max_new: int, text: str) -> bool:
+    """Whether `greedy_continue(model, tok, prompt, max_new, ...)` gives `text` less `prompt`,
+    proven with one dense forward (`is_dense_greedy`) over the continuation's encoding (and
+    the EOS that ended it early): a loop of `max_new` forwards costs ~7 s of CPU a sample
+    here. False when that encoding is not the greedy one (then the loop decides)."""
+    cfg = model.config
+    if not text.startswith(prompt):
+        return False
+    cont = text[len(prompt):]
+    ids = [cfg.bos_token_id] + tok.encode(prompt, add_special_tokens=False).ids
+    new = tok.encode(cont, add_special_tokens=False).ids
+    if tok.decode(new, skip_special_tokens=False) != cont:
+        return False
+    if len(new) < max_new:  # greedy_continue drops the EOS that ended the sample
+        new = new + [cfg.eos_token_id]
+    return is_dense_greedy(model, ids, new, max_new, (cfg.eos_token_id,))
+
+
 @pytest.mark.parametrize("name", LANGUAGE_MODELS)
 def test_card_greedy_samples_reproduce(name, target):
     from specjax.train.evaluate import greedy_continue
@@ -111,9 +130,23 @@ def test_card_greedy_samples_reproduce(name, target):
     cfg, tok = model.config, toks.load_tokenizer(folder)
     with full_precision():
         for prompt, max_new, text in card_samples(folder):
+            if card_tokens_are_greedy(model, tok, prompt, max_new, text):
+                continue
             cont = greedy_continue(model, tok, prompt, max_new, bos_id=cfg.bos_token_id,
                                    eos_id=cfg.eos_token_id)
             assert prompt + cont == text, f"{name}: sample for {prompt!r}"
+
+
+def test_the_one_forward_check_refuses_a_sample_greedy_does_not_give(target):
+    """`card_tokens_are_greedy` is no rubber stamp: a card sample with one word changed, or
+    cut short, is refused (greedy_continue would then decide, and disagree)."""
+    tok = toks.load_tokenizer(BUNDLED)
+    prompt, max_new, text = card_samples(BUNDLED)[0]
+    with full_precision():
+        assert card_tokens_are_greedy(target, tok, prompt, max_new, text)
+        assert not card_tokens_are_greedy(target, tok, prompt, max_new,
+                                          text.replace("return", "yield", 1))
+        assert not card_tokens_are_greedy(target, tok, prompt, max_new, text[:-12])
 
 
 @pytest.mark.parametrize("name", LANGUAGE_MODELS)
