@@ -160,6 +160,7 @@ def exact_ranks(llm, outs, prompt_ids, logits, masked: bool) -> tuple[np.ndarray
     return np.array(probs), np.array(hits)
 
 
+@pytest.mark.slow   # 128 sampled requests judged token by token: ~27 s here
 def test_sampled_output_follows_the_masked_target(eagle):
     """Sampled at T = 1 by the EAGLE-3 engine (rejection sampling against draft distributions
     that know nothing of the grammar): how often each token is the argmax of its exact masked

@@ -1,7 +1,8 @@
 """Tensor parallelism on forced CPU devices (a subprocess: the rest of the suite keeps one
 device, `tests/engine/tp_run.py`): every mode's greedy, seeded sampled and penalised output at
-2 (and, in the slow job, 4) devices equals one device's token for token, with real acceptance,
-no compile after warm-up and every block back; weights and pool are split as the plan says."""
+2 and 4 devices equals one device's token for token, with real acceptance, no compile after
+warm-up and every block back; weights and pool are split as the plan says. In the slow job:
+one subprocess runs every mode at 1, 2 and 4 devices (about 2 minutes here)."""
 import json
 import os
 import subprocess
@@ -26,9 +27,12 @@ def tp_results(modes: list[str], sizes: list[int]) -> dict:
     return json.loads(line.removeprefix("TP_RESULT "))
 
 
+pytestmark = pytest.mark.slow
+
+
 @pytest.fixture(scope="module")
-def two_devices():
-    return tp_results(["eagle3"], [2])
+def every_mode():
+    return tp_results(SPEC_MODES, [2, 4])
 
 
 def check_modes(results: dict, modes: list[str], sizes: list[int]) -> None:
@@ -76,28 +80,20 @@ def check_placement(results: dict, sizes: list[int]) -> None:
             assert p["local"] * share == p["total"], (name, size, p)
 
 
-def test_two_devices_equal_one(two_devices):
-    check_modes(two_devices, ["eagle3"], [2])
+def test_every_mode_at_two_and_four_devices_equals_one(every_mode):
+    check_modes(every_mode, SPEC_MODES, [2, 4])
 
 
-def test_weights_and_pool_are_split_by_the_plan(two_devices):
-    check_placement(two_devices, [2])
+def test_weights_and_pool_are_split_by_the_plan(every_mode):
+    check_placement(every_mode, [2, 4])
 
 
-def test_sizes_that_cannot_split_are_refused_by_name(two_devices):
-    refusals = two_devices["refusals"]
+def test_sizes_that_cannot_split_are_refused_by_name(every_mode):
+    refusals = every_mode["refusals"]
     assert "tensor_parallel_size 3 does not divide the model's num_heads (4)" in refusals["3"]
     assert "tensor_parallel_size 8 needs 8 devices; 4 available" in refusals["8"]
 
 
-@pytest.mark.slow
-def test_every_mode_at_two_and_four_devices_equals_one():
-    results = tp_results(SPEC_MODES, [2, 4])
-    check_modes(results, SPEC_MODES, [2, 4])
-    check_placement(results, [2, 4])
-
-
-@pytest.mark.slow
 def test_shipped_parallel_drafters_at_two_devices_equal_one():
     """PARD, DFlash and DSpark with the bundled target's trained drafters (2 KV heads: 2
     devices)."""

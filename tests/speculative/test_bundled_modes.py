@@ -70,11 +70,11 @@ def assert_same_logprobs(outs, plain_outs):
             assert max(abs(e[t] - r[t]) for t in e) <= LOGPROB_TOL
 
 
-# The default run checks the default drafter (the shipped EAGLE-3 head), its dynamic tree, the
-# shipped draft model and a host drafter (NGram); the other shipped checkpoints run the same
-# test in the slow job (about 8 s each here). Their mechanisms stay in the default run on tiny
-# models: MTP in test_hidden_drafters, PARD and DFlash in test_parallel_engine, SA in
-# test_sa_enhancer, user drafters in test_spec_engine.
+# The default run checks the default drafter (the shipped EAGLE-3 head), the shipped draft
+# model and a host drafter (NGram); the other shipped checkpoints and the head's dynamic tree
+# run the same test in the slow job (8-15 s each here). Their mechanisms stay in the default
+# run on tiny models: MTP in test_hidden_drafters, PARD and DFlash in test_parallel_engine, SA
+# in test_sa_enhancer, user drafters in test_spec_engine, trees in test_tree_engine.
 slow = pytest.mark.slow
 CONFIGS = [
     NGramConfig(max_draft_len=4, max_matching_ngram_size=3),
@@ -88,8 +88,8 @@ CONFIGS = [
     pytest.param(MTPConfig(max_draft_len=3, num_nextn_predict_layers=1,
                            speculative_model=str(CHECKPOINTS_DIR / "stdlib-mtp")), marks=slow),
     # A dynamic tree drafted by the shipped head.
-    EagleConfig(max_draft_len=4, use_dynamic_tree=True, dynamic_tree_max_topK=3,
-                max_total_draft_tokens=10),
+    pytest.param(EagleConfig(max_draft_len=4, use_dynamic_tree=True, dynamic_tree_max_topK=3,
+                             max_total_draft_tokens=10), marks=slow),
     # The parallel drafters: the mask token and the capture layers from their folders.
     pytest.param(PARDConfig(max_draft_len=4, speculative_model="bundled-pard"), marks=slow),
     pytest.param(DFlashConfig(max_draft_len=4, speculative_model="bundled-dflash"), marks=slow),

@@ -312,6 +312,8 @@ def test_sampled_tree_output_is_plain_sampling_token_for_token(perm_target, stri
     assert _full_pool(tree_llm)
 
 
+@pytest.mark.slow   # 1200 sampled requests (~13 s); sampled trees stay in the default run
+# through tests/core/test_tree.py's distribution tests and the token-for-token test above
 def test_sampled_tree_tokens_follow_the_target_distribution(perm_target, tree_llm):
     """The second generated token (decided in a tree step: the first comes from the prompt's
     step) over 1200 seeds, each against its exact distribution p(. | prompt, first token)

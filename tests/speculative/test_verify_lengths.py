@@ -72,9 +72,11 @@ TREE = None if EAGLE3 is None else dataclasses.replace(
     max_total_draft_tokens=8)
 
 
-# NGram (a host drafter: its second look, `choose(..., caps, longest)`) in the slow job: ~13 s.
-@pytest.mark.parametrize("spec", [EAGLE3, TREE, pytest.param(NGramConfig(max_draft_len=4),
-                                                             marks=pytest.mark.slow)],
+# The EAGLE-3 chain in the default run; its tree and NGram (a host drafter: its second look,
+# `choose(..., caps, longest)`) in the slow job (~13 s each here).
+@pytest.mark.parametrize("spec", [EAGLE3, pytest.param(TREE, marks=pytest.mark.slow),
+                                  pytest.param(NGramConfig(max_draft_len=4),
+                                               marks=pytest.mark.slow)],
                          ids=["eagle3", "eagle3-tree", "ngram"])
 def test_switching_lengths_every_step_keeps_greedy_output_exact(frozen, plain_outputs, spec):
     llm = _llm(spec)
