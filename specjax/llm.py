@@ -211,6 +211,12 @@ class LLM:
         for ids, params in zip(encoded, sampling_params):
             self.engine.validate(ids, params)
         self.engine.background_work(idle=False)   # a background warm-up waits meanwhile
+        try:
+            return self._generate(encoded, sampling_params, progress)
+        finally:   # after a failure too: the warm-up goes on once nothing runs
+            self.engine.background_work(idle=not self.engine.has_unfinished())
+
+    def _generate(self, encoded, sampling_params, progress) -> list[RequestOutput]:
         ids = [self.engine.add_request(e, p) for e, p in zip(encoded, sampling_params)]
         order = {rid: i for i, rid in enumerate(ids)}
         results: list[RequestOutput | None] = [None] * len(ids)
@@ -220,5 +226,4 @@ class LLM:
                     if out.finished and out.request_id in order:
                         results[order[out.request_id]] = out
                         bar.update()
-        self.engine.background_work(idle=True)
         return results

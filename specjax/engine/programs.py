@@ -31,11 +31,9 @@ class Programs:
         self._compile = compile
         self._lock = threading.Lock()
         self._futures: dict[Key, concurrent.futures.Future] = {}
-        self.seconds: dict[Key, float] = {}   # compile (or cache load) time of each key
         self.idle = threading.Event()         # the background thread starts compiles only then
         self.idle.set()
         self._thread: threading.Thread | None = None
-        self._stop = False
         self.pending = 0                      # background keys not compiled yet
 
     def ready(self, key: Key) -> bool:
@@ -55,7 +53,6 @@ class Programs:
         if not owner:
             future.result()
             return
-        start = time.perf_counter()
         try:
             self._compile(key)
         except BaseException as e:
@@ -63,7 +60,6 @@ class Programs:
                 del self._futures[key]
             future.set_exception(e)
             raise
-        self.seconds[key] = time.perf_counter() - start
         future.set_result(None)
 
     # -- in the background ------------------------------------------------------------------
@@ -74,7 +70,9 @@ class Programs:
         return self._thread is not None and self._thread.is_alive()
 
     def start(self, keys: Iterable[Key]) -> None:
-        """Compile `keys` in order on a daemon thread, each only once `idle` is set."""
+        """Compile `keys` in order on a daemon thread, each only once `idle` is set (a
+        process that ends mid-warm-up leaves it waiting: it holds no lock and dies with the
+        process)."""
         keys = list(keys)
         self.pending = len(keys)
         self._thread = threading.Thread(target=self._run, args=(keys,), daemon=True,
@@ -84,11 +82,7 @@ class Programs:
     def _run(self, keys: list[Key]) -> None:
         start = time.perf_counter()
         for key in keys:
-            while not self.idle.wait(0.5):
-                if self._stop:
-                    return
-            if self._stop:
-                return
+            self.idle.wait()
             try:
                 self.ensure(key)
             except Exception:  # the caller that needs it will compile (and fail) again
@@ -103,7 +97,3 @@ class Programs:
             self.idle.set()
             self._thread.join(timeout)
         return not self.compiling
-
-    def stop(self) -> None:
-        """Start no further background compiles (the one under way finishes)."""
-        self._stop = True
