@@ -56,6 +56,12 @@ class LLM:
     copies each scanned layer's weights before its matmuls) and under `lax.scan` elsewhere
     (one layer body per program: faster compiles); True or False chooses.
 
+    Matmuls: on one CPU device the dense projections of the target and drafter run
+    `pallas_kernels.cpu_matmul` (float32 weights packed at load, each read once per step
+    however many tokens a step verifies; `cpu_matmul=None`, wherever the kernel is built);
+    `cpu_matmul="xla"` runs XLA's dot instead, "kernel" requires the kernel. `llm.stats.matmul`
+    says which runs.
+
     Several processes (hosts): give each the same arguments plus `coordinator_address`
     (process 0's HOST:PORT), `num_processes` and its `process_id`; the mesh then spans every
     process's devices. Process 0 generates; the others call `follow()`, which returns when
@@ -71,7 +77,7 @@ class LLM:
                  speculative_config: SpeculativeConfig | None = None,
                  overlap_scheduler: bool = True, enable_prefix_cache: bool = True,
                  recurrent_commit: str = "replay", scan_layers: bool | None = None,
-                 tensor_parallel_size: int | None = None, mesh: Mesh | None = None,
+                 cpu_matmul: str | None = None, tensor_parallel_size: int | None = None, mesh: Mesh | None = None,
                  coordinator_address: str | None = None, num_processes: int = 1,
                  process_id: int = 0, warmup: bool = False, progress: bool = True):
         if (num_processes != 1 or coordinator_address is not None) \
@@ -91,6 +97,7 @@ class LLM:
                               overlap_scheduler=overlap_scheduler,
                               enable_prefix_cache=enable_prefix_cache,
                               recurrent_commit=recurrent_commit, scan_layers=scan_layers,
+                              cpu_matmul=cpu_matmul,
                               tensor_parallel_size=tensor_parallel_size, mesh=mesh)
         # A size without as many devices is refused before loading. Split, the target is read
         # into host memory and each device gets only its shards (`Executor`): it need not fit

@@ -153,10 +153,10 @@ def copy_bandwidth(megabytes: int = 256, repeats: int = 10) -> float:
 def decode_weight_bytes(engine: Engine) -> int:
     """Bytes of target weights one decode step must read: every parameter but the embedding
     table, of which a step reads only its rows' entries (a tied table is read whole, as the LM
-    head)."""
+    head, unless the CPU kernel's layout gave the head a packed copy of its own)."""
     params = engine.executor.params.target
     total = sum(x.nbytes for x in jax.tree.leaves(params))
-    if not engine.model_config.tie_word_embeddings:
+    if "lm_head" in params:
         total -= params["embed"].nbytes
     return total
 

@@ -19,6 +19,7 @@ from specjax.core.penalties import PenaltyState, make_penalty_state
 from specjax.core.suffix import SuffixSpec, SuffixState, make_suffix_state
 from specjax.core.worker import DraftWorker, tree_of
 from specjax.models.config import ModelConfig
+from specjax.models.linear import packed_for_cpu
 from specjax.models.llama import Llama
 
 
@@ -113,17 +114,22 @@ class EngineState:
 
 
 def split_model(target: Llama, draft: nnx.Module | None = None, fused: bool = True,
-                scan_layers: bool = True) -> tuple[nnx.GraphDef, Params]:
+                scan_layers: bool = True, packed: bool = False
+                ) -> tuple[nnx.GraphDef, Params]:
     """(the target's graph definition, `Params`) for the step functions, in the layout the
     steps run (`for_inference`: q/k/v and gate/up fused; layers stacked and scanned, or
     unrolled with `scan_layers=False`). `fused=False` keeps the target's projections apart:
     what tensor parallelism splits (a fused matrix's columns would not split by heads).
     `draft` is already in its own inference layout (`Speculation.draft_model`, made once with
-    the same `scan_layers`), which its worker's graph definition was taken from."""
+    the same `scan_layers`), which its worker's graph definition was taken from. `packed`:
+    the target's projections packed for the CPU matmul kernel (`packed_for_cpu`; a packed
+    `draft` is packed by `build_speculation`)."""
     if fused:
         target = target.for_inference(scan_layers)
     else:
         target = target.restacked() if scan_layers else target.unstacked()
+    if packed:
+        target = packed_for_cpu(target)
     graphdef, state = nnx.split(target)
     return graphdef, Params(
         target=nnx.to_pure_dict(state),

@@ -9,6 +9,8 @@ import os
 import jax
 from jax.sharding import Mesh
 
+from pallas_kernels import cpu_matmul
+
 from specjax.core.recurrent import check_commit_mode
 from specjax.core.sharding import TP, TensorParallel, make_mesh
 from specjax.models.config import ModelConfig
@@ -149,8 +151,19 @@ class EngineConfig:
     # weights out of the stack before its matmuls, so a memory-bound step reads every weight
     # twice (`python -m specjax.bench xla`); scanned on accelerators.
     scan_layers: bool | None = None
+    # Dense projections on a CPU: "kernel" runs `pallas_kernels.cpu_matmul` (each float32
+    # weight packed once at load, then read once per step however many rows the step
+    # verifies), "xla" XLA's dot. None: the kernel wherever it is built and the steps run on
+    # one CPU device; XLA's dot elsewhere (accelerators, tensor parallelism).
+    cpu_matmul: str | None = None
 
     def __post_init__(self):
+        if self.cpu_matmul not in (None, "kernel", "xla"):
+            raise ValueError(f"cpu_matmul must be 'kernel', 'xla' or None (automatic), got "
+                             f"{self.cpu_matmul!r}")
+        if self.cpu_matmul == "kernel" and not cpu_matmul.available():
+            raise ValueError(f"cpu_matmul='kernel' but the CPU kernel cannot run here: "
+                             f"{cpu_matmul.status()}")
         for name in ("max_batch_size", "tokens_per_block", "prefill_chunk", "max_prefill_rows",
                      "tensor_parallel_size"):
             value = getattr(self, name)
@@ -187,6 +200,23 @@ class EngineConfig:
             return self.scan_layers
         devices = self.mesh.devices.flat if self.mesh is not None else jax.devices()
         return next(iter(devices)).platform != "cpu"
+
+    def matmul_path(self) -> str:
+        """Which matmul the steps' dense projections run: "kernel (<instruction set>)" (the
+        CPU kernel, weights packed at load) or "xla (<why>)"."""
+        if self.cpu_matmul == "xla":
+            return "xla (cpu_matmul='xla')"
+        devices = self.mesh.devices.flat if self.mesh is not None else jax.devices()
+        platform = next(iter(devices)).platform
+        if platform != "cpu":
+            return f"xla ({platform})"
+        if self.tensor_parallel_size > 1 or self.mesh is not None:
+            return "xla (tensor parallelism)"
+        return cpu_matmul.status()
+
+    def packs_weights(self) -> bool:
+        """Whether the steps run packed weights through the CPU kernel (`matmul_path`)."""
+        return self.matmul_path().startswith("kernel")
 
     def tensor_parallel(self) -> TensorParallel | None:
         """The mesh the steps run on; None for one device."""

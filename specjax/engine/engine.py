@@ -60,8 +60,10 @@ class Engine:
         config, tp, self.max_len = for_model(config, mc)
         self.config, self.model_config, self.tokenizer = config, mc, tokenizer
         self.speculation = spec = build_speculation(speculative_config, model, self.max_len,
-                                                    config.layers_scanned())
-        self.stats = EngineStats()
+                                                    config.layers_scanned(),
+                                                    packed=config.packs_weights())
+        self.stats = EngineStats(matmul=config.matmul_path())
+        log.info("dense projections: %s", self.stats.matmul)
         self.gate = spec.make_gate()
         self.recorder = (HiddenStateRecorder(spec.save_hidden_states, spec.save_layers)
                          if spec.save_hidden_states else None)

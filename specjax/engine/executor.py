@@ -16,6 +16,7 @@ import time
 import jax
 import numpy as np
 
+from pallas_kernels import cpu_matmul
 from specjax.core.aux_state import aux_bytes_per_slot
 from specjax.core.batch import PrefillOutput, clear_row, empty_batch, set_row
 from specjax.core.penalties import start_penalties
@@ -47,7 +48,8 @@ class Executor:
         spec, mc = speculation, model.config
         worker, suffix, save_layers = spec.worker, spec.suffix, spec.save_layers
         graphdef, params = split_model(model, spec.draft_model, fused=tp is None,
-                                       scan_layers=config.layers_scanned())
+                                       scan_layers=config.layers_scanned(),
+                                       packed=config.packs_weights())
         make_state = lambda: init_state(mc, num_slots=config.max_batch_size,
                                         num_blocks=num_blocks,
                                         tokens_per_block=config.tokens_per_block,
@@ -72,6 +74,9 @@ class Executor:
             device = jax.devices()[0]
             self.params = jax.device_put(params, device)
             self.make_state = lambda: jax.device_put(make_state(), device)
+            if config.packs_weights():
+                moved = cpu_matmul.collapse_to_huge_pages(self.params)
+                log.info("packed weights: %.0f MB on 2 MiB pages", moved / 1e6)
         else:
             # On a mesh: weights split by the plan, and the state built in place, sharded
             # (a target's pool may not fit one device).

@@ -61,6 +61,9 @@ class EngineStats:
     step_time: float = 0.0
     num_preemptions: int = 0          # requests sent back to the queue to free KV blocks
     num_failed_requests: int = 0      # finished with "error" (their own fault, or the device)
+    # Which matmul the steps' dense projections run (`EngineConfig.matmul_path`): "kernel
+    # (avx512)", "xla (<why>)". Kept by `reset`.
+    matmul: str = ""
     prefix_cache_queries: int = 0     # tokens of admitted requests looked up in the prefix cache
     prefix_cache_hits: int = 0        # of those, tokens whose K/V came from the cache
     verified_histogram: list[int] = dataclasses.field(default_factory=list)
@@ -116,9 +119,9 @@ class EngineStats:
     def reset(self) -> None:
         """Back to zero, in place: the engine's parts share this object. A trace being kept
         is emptied in place (its holder keeps the same list) and stays on."""
-        trace, costs = self.trace, self.step_costs
+        trace, costs, matmul = self.trace, self.step_costs, self.matmul
         self.__dict__.update(EngineStats().__dict__)
-        self.step_costs = costs
+        self.step_costs, self.matmul = costs, matmul
         if trace is not None:
             trace.clear()
             self.trace = trace

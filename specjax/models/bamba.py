@@ -24,6 +24,7 @@ from pallas_kernels.ssm_scan import ssm_scan
 from pallas_kernels.ssm_scan.reference import ssm_scan_states_reference
 from specjax.models.config import ATTENTION, ModelConfig
 from specjax.models.fused import fuse_projections, projection_sizes, unfuse_projections
+from specjax.models.linear import linear
 from specjax.models.llama import (AttendFn, Llama, init_params, layer_finish,
                                   layer_param_shapes, layer_qkv, mlp_block, rms_norm)
 from specjax.models.rope import rope_tables
@@ -120,7 +121,7 @@ def mamba_mixer(cfg: ModelConfig, lp: dict[str, jax.Array], h: jax.Array, conv0:
     B, T, _ = h.shape
     I, C, H, P, G, N = (m.intermediate_size, m.conv_dim, m.num_heads, m.head_dim,
                         m.num_groups, m.state_size)
-    proj = h @ lp["in_proj"]
+    proj = linear(h, lp["in_proj"])
     gate, xbc, dt = proj[..., :I], proj[..., I:I + C], proj[..., I + C:]
     seq = jnp.concatenate([conv0.astype(xbc.dtype), xbc], axis=1)            # [B, K-1+T, C]
     w = lp["conv_weight"]
@@ -144,7 +145,7 @@ def mamba_mixer(cfg: ModelConfig, lp: dict[str, jax.Array], h: jax.Array, conv0:
         (y, h_final), states = ssm_scan(x, dt, A, b, c, h0), None
     y = y + lp["D"].astype(jnp.float32)[:, None] * x
     y = gated_group_norm(y.reshape(B, T, I), gate, lp["mixer_norm"], G, cfg.rms_norm_eps)
-    out = y.astype(h.dtype) @ lp["out_proj"]
+    out = linear(y.astype(h.dtype), lp["out_proj"])
     return out, MixerTape(conv_seq=seq, x=x, dt=dt, b=b, c=c, a=A, h0=h0, h_final=h_final,
                           states=states)
 

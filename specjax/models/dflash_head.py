@@ -29,6 +29,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from specjax.models.config import ModelConfig
+from specjax.models.linear import linear
 from specjax.models.llama import AttendFn, Llama, decoder_layer, layer_qkv, rms_norm
 from specjax.models.mtp_head import target_lm_head
 from specjax.models.rope import rope_tables
@@ -110,7 +111,8 @@ class DFlashHead(nnx.Module):
         features `[B, T, H]` injected into every layer."""
         C, B, T, H = captured.shape
         x = captured.transpose(1, 2, 0, 3).reshape(B, T, C * H).astype(self.fc.dtype)
-        return rms_norm(x @ self.fc[...], self.context_norm[...], self.config.body.rms_norm_eps)
+        return rms_norm(linear(x, self.fc[...]), self.context_norm[...],
+                        self.config.body.rms_norm_eps)
 
     def embed_block(self, target: Llama, tokens: jax.Array) -> jax.Array:
         """Block tokens `[B, T]` (target ids, or the mask id past the target's vocabulary)."""
@@ -151,4 +153,4 @@ class DFlashHead(nnx.Module):
     def logits(self, target: Llama, hidden: jax.Array) -> jax.Array:
         """`[..., H]` -> float32 logits over the target's vocabulary `[..., V]`."""
         h = rms_norm(hidden, self.body.final_norm[...], self.config.body.rms_norm_eps)
-        return (h @ target_lm_head(target).astype(h.dtype)).astype(jnp.float32)
+        return linear(h, target_lm_head(target).astype(h.dtype)).astype(jnp.float32)

@@ -40,6 +40,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from specjax.models.dflash_head import DFlashHead, DFlashHeadConfig
+from specjax.models.linear import linear
 from specjax.models.llama import rms_norm
 
 GREEDY, SAMPLED = 0, 1
@@ -89,12 +90,12 @@ class DSparkHead(DFlashHead):
     def markov(self, previous: jax.Array) -> tuple[jax.Array, jax.Array]:
         """previous tokens `[...]` -> (e `[..., r]`, the logits' Markov term `[..., V]`, float32)."""
         e = jnp.take(self.markov_in[...], previous, axis=0)
-        return e, (e @ self.markov_out[...]).astype(jnp.float32)
+        return e, linear(e, self.markov_out[...]).astype(jnp.float32)
 
     def confidence_logit(self, normed: jax.Array, e: jax.Array) -> jax.Array:
         """final-normed block rows `[..., H]`, e `[..., r]` -> z `[...]` (float32)."""
         x = jnp.concatenate([normed.astype(jnp.float32), e.astype(jnp.float32)], axis=-1)
-        return x @ self.confidence[...]
+        return linear(x, self.confidence[...])
 
     @staticmethod
     def certainty(logits: jax.Array) -> jax.Array:

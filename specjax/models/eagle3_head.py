@@ -32,6 +32,7 @@ from flax import nnx
 from specjax.models.config import (DTYPES, RopeScaling, check_attention_fields, rope_from_hf,
                                    rope_scaling_to_hf)
 from specjax.models.fused import fuse_projections, linear_parts, projection_sizes
+from specjax.models.linear import linear
 from specjax.models.llama import HeadAttendFn, dense_attention, rms_norm
 from specjax.models.rope import apply_rope, rope_tables
 
@@ -219,7 +220,7 @@ class Eagle3Head(nnx.Module):
             raise ValueError(f"fuse expects captured [3, B, T, {self.config.hidden_size}], "
                              f"got {tuple(captured.shape)}")
         stacked = captured.transpose(1, 2, 0, 3).reshape(B, T, C * H)
-        return stacked @ self.fc[...]
+        return linear(stacked, self.fc[...])
 
     def qkv_and_residual(self, embeds: jax.Array, hidden: jax.Array, positions: jax.Array
                          ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
@@ -243,16 +244,17 @@ class Eagle3Head(nnx.Module):
         cfg = self.config
         lp = self.midlayer
         B, T = attn_out.shape[:2]
-        x = residual + attn_out.reshape(B, T, cfg.num_heads * cfg.head_dim) @ lp["o_proj"][...]
+        x = residual + linear(attn_out.reshape(B, T, cfg.num_heads * cfg.head_dim),
+                              lp["o_proj"][...])
         h = rms_norm(x, lp["post_attention_layernorm"][...], cfg.rms_norm_eps)
         gate, up = linear_parts(h, self._midlayer_params(), "gate_up",
                                 projection_sizes(cfg)["gate_up"])
-        return x + (jax.nn.silu(gate) * up) @ lp["down_proj"][...]
+        return x + linear(jax.nn.silu(gate) * up, lp["down_proj"][...])
 
     def logits(self, hidden_out: jax.Array) -> jax.Array:
         """`[..., H]` -> float32 `[..., draft_vocab]` (final norm + lm_head)."""
         h = rms_norm(hidden_out, self.norm[...], self.config.rms_norm_eps)
-        return (h @ self.lm_head[...]).astype(jnp.float32)
+        return linear(h, self.lm_head[...]).astype(jnp.float32)
 
     def to_target_ids(self, draft_ids: jax.Array) -> jax.Array:
         """Draft-vocabulary ids -> target ids: `draft + d2t[draft]`."""

@@ -14,6 +14,7 @@ from typing import Any, Mapping, Sequence
 import jax
 import jax.numpy as jnp
 
+from specjax.models.linear import linear
 # fused name -> the projections it concatenates, in output-feature order.
 FUSED_GROUPS = {"qkv": ("q", "k", "v"), "gate_up": ("gate", "up")}
 
@@ -57,11 +58,11 @@ def linear_parts(x: jax.Array, params: Mapping[str, jax.Array], group: str,
     `sizes`) in either layout -> one `[..., size]` array per projection, biases added."""
     parts = FUSED_GROUPS[group]
     if f"{group}_proj" in params:
-        y = x @ params[f"{group}_proj"]
+        y = linear(x, params[f"{group}_proj"])
         if bias:
             y = y + params[f"{group}_bias"]
         return _split(y, sizes)
-    ys = [x @ params[f"{p}_proj"] for p in parts]
+    ys = [linear(x, params[f"{p}_proj"]) for p in parts]
     if bias:
         ys = [y + params[f"{p}_bias"] for y, p in zip(ys, parts)]
     return ys

@@ -25,6 +25,7 @@ from pallas_kernels.paged_attention.reference import NO_WINDOW, dense_attention
 from specjax.models.config import ModelConfig
 from specjax.models.fused import (fuse_projections, linear_parts, projection_sizes,
                                   unfuse_projections)
+from specjax.models.linear import linear
 from specjax.models.rope import apply_rope, rope_tables
 
 # Per-layer attention: (q [B,T,H,hd], k [B,T,KV,hd], v [B,T,KV,hd], layer index, state) ->
@@ -166,8 +167,14 @@ class Llama(nnx.Module):
     def logits(self, hidden: jax.Array) -> jax.Array:
         """Final norm + LM head: `[..., D]` -> float32 `[..., V]`."""
         h = rms_norm(hidden, self.final_norm[...], self.config.rms_norm_eps)
-        head = self.embed[...].T if self.config.tie_word_embeddings else self.lm_head[...]
-        return (h @ head).astype(jnp.float32)
+        return linear(h, self.head_weight()).astype(jnp.float32)
+
+    def head_weight(self) -> jax.Array:
+        """The LM head `[D, V]` (the embedding's transpose if tied), or the packed copy
+        `specjax.models.linear.packed_for_cpu` gave it."""
+        if hasattr(self, "lm_head"):
+            return self.lm_head[...]
+        return self.embed[...].T
 
     def run_layers(self, x: jax.Array, positions: jax.Array, attend: AttendFn, state: Any,
                    capture_layers: Sequence[int] = ()) -> tuple[jax.Array, jax.Array, Any]:
@@ -258,7 +265,7 @@ def layer_finish(cfg: ModelConfig, lp: dict[str, jax.Array], attn: jax.Array,
                  residual: jax.Array) -> jax.Array:
     """attn `[B, T, heads, hd]`, residual `[B, T, H]` -> layer output `[B, T, H]`."""
     B, T = attn.shape[:2]
-    attn = attn.reshape(B, T, cfg.num_heads * cfg.head_dim) @ lp["o_proj"]
+    attn = linear(attn.reshape(B, T, cfg.num_heads * cfg.head_dim), lp["o_proj"])
     if cfg.o_bias:
         attn = attn + lp["o_bias"]
     return mlp_block(cfg, lp, residual + attn)
@@ -269,7 +276,7 @@ def mlp_block(cfg: ModelConfig, lp: dict[str, jax.Array], x: jax.Array) -> jax.A
     MLP of its post-norm."""
     h = rms_norm(x, lp["post_norm"], cfg.rms_norm_eps)
     gate, up = linear_parts(h, lp, "gate_up", projection_sizes(cfg)["gate_up"], cfg.mlp_bias)
-    down = (jax.nn.silu(gate) * up) @ lp["down_proj"]
+    down = linear(jax.nn.silu(gate) * up, lp["down_proj"])
     if cfg.mlp_bias:
         down = down + lp["down_bias"]
     return x + down

@@ -30,6 +30,7 @@ from flax import nnx
 
 from specjax.models.config import ModelConfig
 from specjax.models.fused import fuse_projections
+from specjax.models.linear import linear
 from specjax.models.llama import (HeadAttendFn, Llama, dense_attention, init_params,
                                   layer_finish, layer_param_shapes, layer_qkv, rms_norm)
 from specjax.models.rope import rope_tables
@@ -37,7 +38,7 @@ from specjax.models.rope import rope_tables
 
 def target_lm_head(target: Llama) -> jax.Array:
     """The target's LM head as a `[H, vocab]` matrix (the embedding's transpose if tied)."""
-    return target.embed[...].T if target.config.tie_word_embeddings else target.lm_head[...]
+    return target.head_weight()
 
 
 def _dense_attend(positions: jax.Array) -> HeadAttendFn:
@@ -75,7 +76,7 @@ class MTPModule(nnx.Module):
         eps = self.config.rms_norm_eps
         x = jnp.concatenate([rms_norm(embeds, self.enorm[...], eps),
                              rms_norm(hidden, self.hnorm[...], eps)], axis=-1)
-        return x @ self.eh_proj[...]
+        return linear(x, self.eh_proj[...])
 
     def qkv_and_residual(self, embeds: jax.Array, hidden: jax.Array, positions: jax.Array
                          ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
@@ -95,7 +96,7 @@ class MTPModule(nnx.Module):
         """`[..., H]` -> float32 `[..., vocab]` through final_norm and the target's
         `lm_head` `[H, vocab]`."""
         h = rms_norm(hidden_out, self.final_norm[...], self.config.rms_norm_eps)
-        return (h @ lm_head).astype(jnp.float32)
+        return linear(h, lm_head).astype(jnp.float32)
 
     def run_layer(self, embeds: jax.Array, hidden: jax.Array, positions: jax.Array,
                   attend: HeadAttendFn, state: Any = None) -> tuple[jax.Array, Any]:

@@ -105,6 +105,7 @@ class Server:
         # Immutable engine facts, read here once so handlers never touch the engine.
         self.vocab_size = engine.model_config.vocab_size
         self.max_len = engine.max_len
+        self.matmul = engine.stats.matmul   # which matmul the steps run (/health)
         self.max_tokens_cap = min(settings.max_tokens_cap or self.max_len, self.max_len)
         self.prepare = RequestPreparer(self.tokenizer, chat_template, settings.model_names,
                                        self.vocab_size, self.max_len, self.max_tokens_cap,
@@ -342,7 +343,8 @@ def create_app(llm: LLM, settings: ServerSettings = ServerSettings(),
             return JSONResponse({"status": status}, status_code=503)
         # Answered while a first start still compiles in the background: requests are
         # served meanwhile (each compiles what it needs first).
-        return JSONResponse({"status": "ok", "warming_up": server.engine_thread.warming})
+        return JSONResponse({"status": "ok", "warming_up": server.engine_thread.warming,
+                             "matmul": server.matmul})
 
     @app.get("/metrics")
     async def metrics() -> Response:

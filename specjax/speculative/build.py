@@ -29,6 +29,7 @@ from specjax.core.tree import TreeShape
 from specjax.core.worker import DraftWorker, tree_of
 from specjax.models import Llama, read_mask_token
 from specjax.models.config import ModelConfig
+from specjax.models.linear import packed_for_cpu
 from specjax.models.registry import resolve_model_path
 from specjax.speculative.config import (AutoConfig, NGramConfig, PARDConfig, SAConfig,
                                         SaveHiddenStatesConfig, SpeculativeConfig,
@@ -102,12 +103,14 @@ class Speculation:
 
 def build_speculation(config: SpeculativeConfig | None, target: Llama,
                       max_sequence_length: int | None = None,
-                      scan_layers: bool = True) -> Speculation:
+                      scan_layers: bool = True, packed: bool = False) -> Speculation:
     """Load the drafter module (a folder path in the config is read from disk, in the target's
     dtype) in the layout the steps run (its target-style layers scanned or unrolled as the
     target's: `scan_layers`), make the worker or host drafter, and check them against
     `target`; every error is a ValueError naming the field, raised before any request starts.
-    `max_sequence_length`: the context limit host drafters propose within."""
+    `max_sequence_length`: the context limit host drafters propose within. `packed`: the
+    drafter's projections packed for the CPU matmul kernel, as the target's
+    (`specjax.models.linear.packed_for_cpu`), before its worker takes its graph definition."""
     if config is None:
         return Speculation()
     if not isinstance(config, SpeculativeConfig):
@@ -125,6 +128,8 @@ def build_speculation(config: SpeculativeConfig | None, target: Llama,
         draft_model = load_draft_model(config, target)
         if draft_model is not None:  # the layout the steps run, made once
             draft_model = DRAFTERS[config.mode].for_inference(draft_model, scan_layers)
+            if packed:
+                draft_model = packed_for_cpu(draft_model)
     worker = get_spec_worker(config, draft_model, target.config)
     if target.config.is_hybrid:
         check_hybrid_target(config, worker, draft_model)

@@ -141,3 +141,18 @@ def test_the_shipped_eagle3_head_is_exact_and_accepts_its_drafts(llm):
     print(f"AL {spec.stats.acceptance_length:.2f}")
     assert spec.stats.acceptance_length > 1.25
     assert spec.engine.allocator.num_free_blocks == spec.engine.allocator.total_blocks
+
+
+@pytest.mark.slow
+def test_xla_dot_gives_the_kernels_greedy_output(llm):
+    """The fixture's engine runs the CPU matmul kernel (the default on a CPU, packed weights);
+    XLA's dot on the same weights gives the same greedy chat answers. The two sum in other
+    orders, so a tie within float32 rounding could flip a token: these prompts have none."""
+    if not llm.stats.matmul.startswith("kernel"):
+        pytest.skip(llm.stats.matmul)
+    xla = specjax.LLM("smollm2", max_batch_size=4, batch_sizes=(4,), max_prefill_rows=1,
+                      max_model_len=512, progress=False, cpu_matmul="xla")
+    prompts = [chat_ids(llm, q) for q in QUESTIONS]
+    params = specjax.SamplingParams(max_tokens=TOKENS, temperature=0)
+    assert ([o.token_ids for o in xla.generate(prompts, params)]
+            == [o.token_ids for o in llm.generate(prompts, params)])

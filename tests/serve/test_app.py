@@ -121,7 +121,9 @@ def test_chat_default_template_greedy_and_stream(server, client):
 
 def test_models_health_and_model_alias(server, client):
     assert [m.id for m in client.models.list().data] == [MODEL_NAME]
-    assert httpx.get(f"{server.url}/health").json() == {"status": "ok", "warming_up": False}
+    assert httpx.get(f"{server.url}/health").json() == {
+        "status": "ok", "warming_up": False, "matmul": server.llm.stats.matmul}
+    assert server.llm.stats.matmul == server.llm.engine.config.matmul_path()
     out = client.completions.create(model="tiny-alias", prompt="a", max_tokens=2)
     assert out.usage.completion_tokens == 2
 

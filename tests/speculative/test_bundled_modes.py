@@ -216,3 +216,13 @@ def test_a_new_in_step_drafter_is_one_class_and_one_registration(plain, monkeypa
     assert llm.stats.drafted_tokens > 0
     allocator = llm.engine.allocator
     assert allocator.num_free_blocks == allocator.total_blocks
+
+
+def test_xla_dot_gives_the_kernels_greedy_output(plain):
+    """The modes above run the CPU matmul kernel (the default on a CPU); XLA's dot gives the
+    same greedy tokens on the bundled model, plain and with its EAGLE-3 head."""
+    for config in (None, EagleConfig(max_draft_len=4)):
+        llm = specjax.LLM("bundled", cpu_matmul="xla", enable_prefix_cache=False,
+                          speculative_config=config, **SIZES)
+        assert llm.stats.matmul.startswith("xla")
+        assert [o.token_ids for o in llm.generate(PROMPTS, PARAMS)] == plain[0]
