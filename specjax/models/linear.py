@@ -14,7 +14,6 @@ from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from pallas_kernels import cpu_matmul
@@ -69,9 +68,3 @@ def packed_for_cpu(module: M) -> M:
     nnx.replace_by_pure_dict(state, pack(pure))
     return nnx.merge(graphdef, state)
 
-
-def packed_bytes(params: Any) -> int:
-    """Bytes of the packed projections in a pytree of parameters (`[..., P, in, 32]`)."""
-    leaves = jax.tree.leaves(params)
-    return int(sum(np.prod(a.shape) * a.dtype.itemsize for a in leaves
-                   if a.ndim >= 3 and a.shape[-1] == cpu_matmul.PANEL))
