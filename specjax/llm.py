@@ -77,7 +77,8 @@ class LLM:
                  speculative_config: SpeculativeConfig | None = None,
                  overlap_scheduler: bool = True, enable_prefix_cache: bool = True,
                  recurrent_commit: str = "replay", scan_layers: bool | None = None,
-                 cpu_matmul: str | None = None, tensor_parallel_size: int | None = None, mesh: Mesh | None = None,
+                 cpu_matmul: str | None = None, tensor_parallel_size: int | None = None,
+                 mesh: Mesh | None = None,
                  coordinator_address: str | None = None, num_processes: int = 1,
                  process_id: int = 0, warmup: bool = False, progress: bool = True):
         if (num_processes != 1 or coordinator_address is not None) \

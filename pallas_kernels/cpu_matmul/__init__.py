@@ -20,8 +20,8 @@ import jax.numpy as jnp
 from pallas_kernels.cpu_matmul.reference import (PANEL, matmul_reference, num_panels,
                                                  pack_weight, unpack_weight)
 
-__all__ = ["PANEL", "available", "collapse_to_huge_pages", "matmul", "matmul_reference", "num_panels", "pack_weight",
-           "status", "unpack_weight"]
+__all__ = ["PANEL", "available", "collapse_to_huge_pages", "library_path", "matmul",
+           "matmul_reference", "num_panels", "pack_weight", "status", "unpack_weight"]
 
 _TARGET = "specjax_matmul_f32"
 _ENV = "SPECJAX_CPU_MATMUL"

@@ -37,7 +37,6 @@ constexpr int64_t KB = 128;    // panel rows per L1 block: 128 x 32 x 4 B = 16 K
 // half the rate of 1 (2-core Xeon). Into L1 instead, the core's few line-fill buffers cap the
 // stream; 64..512 rows ahead measured alike, 16..32 worse.
 constexpr int64_t kPrefetchRows = 64;
-#define SPECJAX_PF_HINT _MM_HINT_T1
 
 struct Problem {
   const float* x;  // [M, K]
@@ -95,8 +94,8 @@ __attribute__((target("avx512f"))) void micro_avx512(const float* x, int64_t ldx
     }
   }
   for (int64_t k = 0; k < kc; ++k) {
-    _mm_prefetch((const char*)(w + (k + kPrefetchRows) * PANEL), SPECJAX_PF_HINT);
-    _mm_prefetch((const char*)(w + (k + kPrefetchRows) * PANEL + 16), SPECJAX_PF_HINT);
+    _mm_prefetch((const char*)(w + (k + kPrefetchRows) * PANEL), _MM_HINT_T1);
+    _mm_prefetch((const char*)(w + (k + kPrefetchRows) * PANEL + 16), _MM_HINT_T1);
     const __m512 w0 = _mm512_loadu_ps(w + k * PANEL);
     const __m512 w1 = _mm512_loadu_ps(w + k * PANEL + 16);
     for (int r = 0; r < R; ++r) {
@@ -130,8 +129,8 @@ __attribute__((target("avx2,fma"))) void micro_avx2(const float* x, int64_t ldx,
       a[r][v] = first ? _mm256_setzero_ps() : _mm256_maskload_ps(y + r * ldy + 8 * v, m[v]);
   for (int64_t k = 0; k < kc; ++k) {
     const float* wk = w + k * PANEL;
-    _mm_prefetch((const char*)(wk + kPrefetchRows * PANEL), SPECJAX_PF_HINT);
-    _mm_prefetch((const char*)(wk + kPrefetchRows * PANEL + 16), SPECJAX_PF_HINT);
+    _mm_prefetch((const char*)(wk + kPrefetchRows * PANEL), _MM_HINT_T1);
+    _mm_prefetch((const char*)(wk + kPrefetchRows * PANEL + 16), _MM_HINT_T1);
     const __m256 w0 = _mm256_loadu_ps(wk), w1 = _mm256_loadu_ps(wk + 8);
     const __m256 w2 = _mm256_loadu_ps(wk + 16), w3 = _mm256_loadu_ps(wk + 24);
     for (int r = 0; r < R; ++r) {

@@ -161,6 +161,10 @@ class EngineConfig:
         if self.cpu_matmul not in (None, "kernel", "xla"):
             raise ValueError(f"cpu_matmul must be 'kernel', 'xla' or None (automatic), got "
                              f"{self.cpu_matmul!r}")
+        if self.cpu_matmul == "kernel" and (self.tensor_parallel_size > 1
+                                            or self.mesh is not None):
+            raise ValueError("cpu_matmul='kernel' runs on one CPU device; tensor parallelism "
+                             "keeps XLA's dot (leave cpu_matmul unset)")
         if self.cpu_matmul == "kernel" and not cpu_matmul.available():
             raise ValueError(f"cpu_matmul='kernel' but the CPU kernel cannot run here: "
                              f"{cpu_matmul.status()}")

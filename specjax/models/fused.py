@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax.models.linear import linear
+
 # fused name -> the projections it concatenates, in output-feature order.
 FUSED_GROUPS = {"qkv": ("q", "k", "v"), "gate_up": ("gate", "up")}
 

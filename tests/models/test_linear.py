@@ -86,6 +86,8 @@ def test_cpu_matmul_choices_are_checked(monkeypatch):
     from specjax.engine.config import EngineConfig
     with pytest.raises(ValueError, match="cpu_matmul must be"):
         EngineConfig(cpu_matmul="fast")
+    with pytest.raises(ValueError, match="tensor parallelism keeps XLA's dot"):
+        EngineConfig(cpu_matmul="kernel", tensor_parallel_size=2)
     monkeypatch.setenv("SPECJAX_CPU_MATMUL", "xla")
     with pytest.raises(ValueError, match="cannot run here: xla"):
         EngineConfig(cpu_matmul="kernel")
