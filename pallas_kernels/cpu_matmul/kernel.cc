@@ -11,6 +11,17 @@
 // or the thread split: a row's result is bit-identical alone or among many, so a verify step's
 // logits equal the plain step's exactly (greedy speculative output equals plain greedy).
 //
+// Quantized weights (quant.py: GGUF's blocks repacked into the same panels, 4- or 8-bit integers
+// q with a float scale s and min m per column and block of qk inputs, W = q * s + m; the k's
+// interleaved in pairs) stream the same way at a quarter or an eighth of the bytes, and the
+// products are integer ones: each row of x is quantized per block to 16 bits (xq = x / dx,
+// dx = max |x| / 32767: a relative error of 2^-16 of the block's largest entry, where the
+// weights' own is 2^-4..2^-8), and a block's sum_k xq_k q_k is exact in int32 (VNNI's
+// vpdpwssd, 32 products an instruction: twice a float FMA's). Then, in float, per block:
+// y += (s * dx) * sum + m * sum_k x_k. Every step of that is exact or rounded the same way
+// whatever M, the row group, the thread split or the instruction set: a row's result is the
+// same bit for bit alone or in a verify step, on any of them.
+//
 // ISA chosen at run time (AVX-512F, AVX2+FMA, portable C++); threads from XLA's intra-op pool.
 #include <atomic>
 #include <cstdint>
@@ -38,12 +49,44 @@ constexpr int64_t KB = 128;    // panel rows per L1 block: 128 x 32 x 4 B = 16 K
 // stream; 64..512 rows ahead measured alike, 16..32 worse.
 constexpr int64_t kPrefetchRows = 64;
 
+// A quantized weight's layout (quant.py): per panel nb block rows of row_bytes, each qk k's
+// of values (bits 4: PANEL / 2 bytes a k, column j in byte j % 16's low (j < 16) or high
+// nibble; 8: PANEL int8) then PANEL float scales and PANEL float mins.
+struct QuantLayout {
+  const uint8_t* q = nullptr;  // [P, nb, row_bytes]; null: the weight is float (Problem::w)
+  // Per call (block_quantize): x in 16 bits [M, K], its scales and block sums [M, nb].
+  const int16_t* xq = nullptr;
+  const float *dx = nullptr, *xsum = nullptr;
+  int bits = 0;
+  int64_t qk = 0, nb = 0, row_bytes = 0;
+  int64_t k_bytes() const { return PANEL * bits / 8; }
+  int64_t value_bytes() const { return qk * k_bytes(); }
+  int kind() const { return bits == 4 ? 0 : qk == 32 ? 1 : 2; }  // Isa::quant's first index
+};
+
 struct Problem {
   const float* x;  // [M, K]
   const float* w;  // [P, K, PANEL]
   float* y;        // [M, N]
   int64_t M, K, N, P;
+  QuantLayout quant;
 };
+
+// Block rows this far ahead of the one being read are prefetched into L2 (6..10 KiB, as the
+// float path's kPrefetchRows).
+constexpr int64_t kPrefetchBlocks = 8;
+
+inline void prefetch_block(const uint8_t* row, int64_t row_bytes) {
+#ifdef SPECJAX_X86
+  for (int64_t off = 0; off < row_bytes; off += 64)
+    _mm_prefetch((const char*)(row + kPrefetchBlocks * row_bytes + off), _MM_HINT_T1);
+#endif
+}
+
+// Rows of x (R of them: the template's; xq, dx and xsum at their first) times one quantized
+// panel -> y (its first column).
+using QuantFn = void (*)(const int16_t* xq, const float* dx, const float* xsum, int64_t K,
+                         const uint8_t* panel, const QuantLayout& ql, float* y, int64_t ldy);
 
 // One row chunk (rows rows of x) times one block of one panel: kc panel rows from w (already
 // offset to the block), accumulating into y (first: start from zero). cols <= PANEL valid
@@ -55,7 +98,47 @@ struct Isa {
   const char* name;
   int64_t max_rows;
   MicroFn micro[16];  // by rows - 1
+  int64_t quant_rows;
+  QuantFn quant[3][16];  // [4 bits; 8 bits, qk 32; 8 bits, qk 16][rows - 1]
 };
+
+// One row's 16-bit pair (xq[k], xq[k + 1]) as the 32-bit word the integer dot instructions take.
+inline int32_t pair(const int16_t* xq) {
+  int32_t v;
+  std::memcpy(&v, xq, 4);
+  return v;
+}
+
+// The float end of a block, the same on every path: y += (s * dx) * float(sum) + m * xsum.
+inline float block_end(float y, int32_t sum, float s, float dx, float m, float xsum) {
+  return __builtin_fmaf(xsum, m, __builtin_fmaf((float)sum, s * dx, y));
+}
+
+// ---- portable, the reference for the vector paths below -----------------------------------
+template <int BITS, int QK, int R>
+void quant_portable(const int16_t* xq, const float* dx, const float* xsum, int64_t K,
+                    const uint8_t* panel, const QuantLayout& ql, float* y, int64_t ldy) {
+  float acc[R][PANEL] = {};
+  for (int64_t b = 0; b < ql.nb; ++b) {
+    const uint8_t* v = panel + b * ql.row_bytes;
+    const float* s = reinterpret_cast<const float*>(v + QK * PANEL * BITS / 8);
+    int32_t c[R][PANEL] = {};
+    for (int k = 0; k < QK; ++k)
+      for (int64_t j = 0; j < PANEL; ++j) {
+        // k's of a pair side by side: byte 2i + k % 2 of the pair's run
+        const uint8_t* run = v + (k / 2) * PANEL * BITS / 4;
+        const int32_t q = BITS == 4 ? (run[2 * (j % 16) + k % 2] >> (4 * (j / 16))) & 15
+                                    : (int8_t)run[2 * j + k % 2];
+        for (int r = 0; r < R; ++r) c[r][j] += q * xq[r * K + b * QK + k];
+      }
+    for (int r = 0; r < R; ++r)
+      for (int64_t j = 0; j < PANEL; ++j)
+        acc[r][j] = block_end(acc[r][j], c[r][j], s[j], dx[r * ql.nb + b], s[PANEL + j],
+                              xsum[r * ql.nb + b]);
+  }
+  for (int r = 0; r < R; ++r)
+    for (int64_t j = 0; j < PANEL; ++j) y[r * ldy + j] = acc[r][j];
+}
 
 // ---- portable ---------------------------------------------------------------------------
 template <int R>
@@ -110,6 +193,61 @@ __attribute__((target("avx512f"))) void micro_avx512(const float* x, int64_t ldx
   }
 }
 
+// A pair of k's 32 integers as int16 pairs: columns 0..15 and 16..31, (q[k], q[k + 1]) a lane.
+template <int BITS>
+__attribute__((target("avx512f,avx512bw"))) inline void q_avx512(const uint8_t* v, __m512i* a0,
+                                                                 __m512i* a1) {
+  if (BITS == 4) {
+    const __m256i n = _mm256_loadu_si256((const __m256i*)v), low = _mm256_set1_epi8(15);
+    *a0 = _mm512_cvtepu8_epi16(_mm256_and_si256(n, low));
+    *a1 = _mm512_cvtepu8_epi16(_mm256_and_si256(_mm256_srli_epi16(n, 4), low));
+  } else {
+    *a0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)v));
+    *a1 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(v + 32)));
+  }
+}
+
+// Up to 6 rows: 2 zmm of y and 2 of the block's integer sums a row, one vpdpwssd a 16
+// columns x 2 k's. (A CPU with AVX-512 but not VNNI runs the AVX2 path's.)
+template <int BITS, int QK, int R>
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) void quant_avx512(
+    const int16_t* xq, const float* dx, const float* xsum, int64_t K, const uint8_t* panel,
+    const QuantLayout& ql, float* y, int64_t ldy) {
+  __m512 y0[R], y1[R];
+  for (int r = 0; r < R; ++r) y0[r] = y1[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < ql.nb; ++b) {
+    const uint8_t* v = panel + b * ql.row_bytes;
+    prefetch_block(v, ql.row_bytes);
+    const float* s = reinterpret_cast<const float*>(v + QK * PANEL * BITS / 8);
+    const int16_t* xb = xq + b * QK;
+    __m512i c0[R], c1[R];
+    for (int r = 0; r < R; ++r) c0[r] = c1[r] = _mm512_setzero_si512();
+    for (int k = 0; k < QK; k += 2, v += PANEL * BITS / 4) {
+      __m512i a0, a1;
+      q_avx512<BITS>(v, &a0, &a1);
+      for (int r = 0; r < R; ++r) {
+        const __m512i bx = _mm512_set1_epi32(pair(xb + r * K + k));
+        c0[r] = _mm512_dpwssd_epi32(c0[r], a0, bx);
+        c1[r] = _mm512_dpwssd_epi32(c1[r], a1, bx);
+      }
+    }
+    const __m512 s0 = _mm512_loadu_ps(s), s1 = _mm512_loadu_ps(s + 16);
+    const __m512 m0 = _mm512_loadu_ps(s + PANEL), m1 = _mm512_loadu_ps(s + PANEL + 16);
+    for (int r = 0; r < R; ++r) {
+      const __m512 d = _mm512_set1_ps(dx[r * ql.nb + b]);
+      const __m512 xs = _mm512_set1_ps(xsum[r * ql.nb + b]);
+      y0[r] = _mm512_fmadd_ps(xs, m0, _mm512_fmadd_ps(_mm512_cvtepi32_ps(c0[r]),
+                                                      _mm512_mul_ps(s0, d), y0[r]));
+      y1[r] = _mm512_fmadd_ps(xs, m1, _mm512_fmadd_ps(_mm512_cvtepi32_ps(c1[r]),
+                                                      _mm512_mul_ps(s1, d), y1[r]));
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    _mm512_storeu_ps(y + r * ldy, y0[r]);
+    _mm512_storeu_ps(y + r * ldy + 16, y1[r]);
+  }
+}
+
 // ---- AVX2 + FMA: a panel is four ymm; up to 3 rows = 12 accumulators --------------------
 __attribute__((target("avx2"))) inline __m256i lane_mask(int64_t valid) {
   const __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
@@ -144,17 +282,90 @@ __attribute__((target("avx2,fma"))) void micro_avx2(const float* x, int64_t ldx,
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < 4; ++v) _mm256_maskstore_ps(y + r * ldy + 8 * v, m[v], a[r][v]);
 }
+
+// Up to 3 rows, a half panel (16 columns: 2 ymm of y and 2 of integer sums a row) at a time.
+template <int BITS, int QK, int R>
+__attribute__((target("avx2,fma"))) void quant_avx2(const int16_t* xq, const float* dx,
+                                                    const float* xsum, int64_t K,
+                                                    const uint8_t* panel, const QuantLayout& ql,
+                                                    float* y, int64_t ldy) {
+  for (int h = 0; h < 2; ++h) {
+    __m256 y0[R], y1[R];
+    for (int r = 0; r < R; ++r) y0[r] = y1[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < ql.nb; ++b) {
+      const uint8_t* v = panel + b * ql.row_bytes;
+      if (h == 0) prefetch_block(v, ql.row_bytes);
+      const float* s = reinterpret_cast<const float*>(v + QK * PANEL * BITS / 8) + 16 * h;
+      const int16_t* xb = xq + b * QK;
+      __m256i c0[R], c1[R];
+      for (int r = 0; r < R; ++r) c0[r] = c1[r] = _mm256_setzero_si256();
+      for (int k = 0; k < QK; k += 2, v += PANEL * BITS / 4) {
+        __m256i a0, a1;
+        if (BITS == 4) {
+          __m256i n = _mm256_loadu_si256((const __m256i*)v);
+          if (h == 1) n = _mm256_srli_epi16(n, 4);
+          n = _mm256_and_si256(n, _mm256_set1_epi8(15));
+          a0 = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(n));
+          a1 = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(n, 1));
+        } else {
+          a0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(v + 32 * h)));
+          a1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(v + 32 * h + 16)));
+        }
+        for (int r = 0; r < R; ++r) {
+          const __m256i bx = _mm256_set1_epi32(pair(xb + r * K + k));
+          c0[r] = _mm256_add_epi32(c0[r], _mm256_madd_epi16(a0, bx));
+          c1[r] = _mm256_add_epi32(c1[r], _mm256_madd_epi16(a1, bx));
+        }
+      }
+      const __m256 s0 = _mm256_loadu_ps(s), s1 = _mm256_loadu_ps(s + 8);
+      const __m256 m0 = _mm256_loadu_ps(s + PANEL), m1 = _mm256_loadu_ps(s + PANEL + 8);
+      for (int r = 0; r < R; ++r) {
+        const __m256 d = _mm256_set1_ps(dx[r * ql.nb + b]);
+        const __m256 xs = _mm256_set1_ps(xsum[r * ql.nb + b]);
+        y0[r] = _mm256_fmadd_ps(xs, m0, _mm256_fmadd_ps(_mm256_cvtepi32_ps(c0[r]),
+                                                        _mm256_mul_ps(s0, d), y0[r]));
+        y1[r] = _mm256_fmadd_ps(xs, m1, _mm256_fmadd_ps(_mm256_cvtepi32_ps(c1[r]),
+                                                        _mm256_mul_ps(s1, d), y1[r]));
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      _mm256_storeu_ps(y + r * ldy + 16 * h, y0[r]);
+      _mm256_storeu_ps(y + r * ldy + 16 * h + 8, y1[r]);
+    }
+  }
+}
 #endif
 
 #define SPECJAX_TABLE(FN)                                                          \
   {FN<1>, FN<2>, FN<3>, FN<4>, FN<5>, FN<6>, FN<7>, FN<8>, FN<9>, FN<10>, FN<11>, \
    FN<12>, nullptr, nullptr, nullptr, nullptr}
 
+#define SPECJAX_QUANT(FN, B, QK) {FN<B, QK, 1>, FN<B, QK, 2>, FN<B, QK, 3>, FN<B, QK, 4>}
+#define SPECJAX_QUANT6(FN, B, QK) \
+  {FN<B, QK, 1>, FN<B, QK, 2>, FN<B, QK, 3>, FN<B, QK, 4>, FN<B, QK, 5>, FN<B, QK, 6>}
+#define SPECJAX_QUANT3(FN, B, QK) {FN<B, QK, 1>, FN<B, QK, 2>, FN<B, QK, 3>}
+
 const Isa kPortable{"portable", 4, {micro_portable<1>, micro_portable<2>, micro_portable<3>,
-                                    micro_portable<4>}};
+                                    micro_portable<4>}, 4,
+                    {SPECJAX_QUANT(quant_portable, 4, 32), SPECJAX_QUANT(quant_portable, 8, 32),
+                     SPECJAX_QUANT(quant_portable, 8, 16)}};
 #ifdef SPECJAX_X86
-const Isa kAvx512{"avx512", 12, SPECJAX_TABLE(micro_avx512)};
-const Isa kAvx2{"avx2", 3, {micro_avx2<1>, micro_avx2<2>, micro_avx2<3>}};
+const Isa kAvx512{"avx512", 12, SPECJAX_TABLE(micro_avx512), 6,
+                  {SPECJAX_QUANT6(quant_avx512, 4, 32), SPECJAX_QUANT6(quant_avx512, 8, 32),
+                   SPECJAX_QUANT6(quant_avx512, 8, 16)}};
+const Isa kAvx512NoVnni{"avx512", 12, SPECJAX_TABLE(micro_avx512), 3,
+                        {SPECJAX_QUANT3(quant_avx2, 4, 32), SPECJAX_QUANT3(quant_avx2, 8, 32),
+                         SPECJAX_QUANT3(quant_avx2, 8, 16)}};
+const Isa kAvx2{"avx2", 3, {micro_avx2<1>, micro_avx2<2>, micro_avx2<3>}, 3,
+                {SPECJAX_QUANT3(quant_avx2, 4, 32), SPECJAX_QUANT3(quant_avx2, 8, 32),
+                 SPECJAX_QUANT3(quant_avx2, 8, 16)}};
+#endif
+
+#ifdef SPECJAX_X86
+const Isa* avx512() {
+  return __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vnni")
+             ? &kAvx512 : &kAvx512NoVnni;
+}
 #endif
 
 const Isa* detect() {
@@ -163,7 +374,7 @@ const Isa* detect() {
   const char* forced = std::getenv("SPECJAX_MATMUL_ISA");
   const bool want = forced == nullptr || forced[0] == '\0';
   if ((want || std::strcmp(forced, "avx512") == 0) && __builtin_cpu_supports("avx512f"))
-    return &kAvx512;
+    return avx512();
   if ((want || std::strcmp(forced, "avx2") == 0) && __builtin_cpu_supports("avx2") &&
       __builtin_cpu_supports("fma"))
     return &kAvx2;
@@ -178,6 +389,18 @@ const Isa& isa() {
 
 // Panels [p0, p1) of the problem: every row chunk of every block of each panel.
 void run_panels(const Problem& pr, int64_t p0, int64_t p1, const Isa& is = isa()) {
+  const QuantLayout& ql = pr.quant;
+  if (ql.q != nullptr) {  // every row group of each panel, the panel in L2 after the first
+    for (int64_t p = p0; p < p1; ++p)
+      for (int64_t m0 = 0; m0 < pr.M; m0 += is.quant_rows) {
+        const int64_t rows = pr.M - m0 < is.quant_rows ? pr.M - m0 : is.quant_rows;
+        is.quant[ql.kind()][rows - 1](ql.xq + m0 * pr.K, ql.dx + m0 * ql.nb,
+                                      ql.xsum + m0 * ql.nb, pr.K,
+                                      ql.q + p * ql.nb * ql.row_bytes, ql,
+                                      pr.y + m0 * pr.N + p * PANEL, pr.N);
+      }
+    return;
+  }
   for (int64_t p = p0; p < p1; ++p) {
     const float* wp = pr.w + p * pr.K * PANEL;
     const int64_t cols = pr.N - p * PANEL < PANEL ? pr.N - p * PANEL : PANEL;
@@ -213,15 +436,86 @@ struct Job {
 // costs more than it saves.
 constexpr int64_t kParallelMin = 1 << 18;
 
+ffi::Error run(ffi::ThreadPool& pool, const Problem& pr);
+
 ffi::Error matmul_f32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
                       ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
   if (xd.size() != 2 || wd.size() != 3 || yd.size() != 2)
     return ffi::Error::InvalidArgument("specjax_matmul: expects x [M, K], w [P, K, 32], y [M, N]");
-  Problem pr{x.typed_data(), w.typed_data(), y->typed_data(), xd[0], xd[1], yd[1], wd[0]};
+  Problem pr{x.typed_data(), w.typed_data(), y->typed_data(), xd[0], xd[1], yd[1], wd[0], {}};
   if (wd[2] != PANEL || wd[1] != pr.K || yd[0] != pr.M || pr.P * PANEL < pr.N ||
       pr.P * PANEL >= pr.N + PANEL)
     return ffi::Error::InvalidArgument("specjax_matmul: shapes do not match the packed weight");
+  return run(pool, pr);
+}
+
+// The layout a quantized weight's value width and block row size name (quant.py: format_of).
+bool quant_layout(int bits, int64_t row_bytes, QuantLayout* ql) {
+  for (const int64_t qk : {32, 16}) {
+    if ((bits == 8 || qk == 32) && qk * PANEL * bits / 8 + 2 * PANEL * 4 == row_bytes) {
+      ql->bits = bits;
+      ql->qk = qk;
+      ql->row_bytes = row_bytes;
+      return true;
+    }
+  }
+  return false;
+}
+
+// x per call, for the quantized kernels: each row's blocks of qk in 16 bits (xq = x / dx,
+// rounded to nearest even, dx = max |x| / 32767) and each block's sum of x in order. Row by
+// row, so a row's are the same alone or among others.
+struct QuantizedRows {
+  std::unique_ptr<int16_t[]> xq;
+  std::unique_ptr<float[]> dx, xsum;
+
+  QuantizedRows(const float* x, int64_t M, int64_t K, QuantLayout* ql)
+      : xq(new int16_t[M * K + 2]), dx(new float[M * ql->nb + 1]),
+        xsum(new float[M * ql->nb + 1]) {
+    const int64_t qk = ql->qk, nb = ql->nb;
+    for (int64_t r = 0; r < M; ++r)
+      for (int64_t b = 0; b < nb; ++b) {
+        const float* xb = x + r * K + b * qk;
+        float amax = 0.f, sum = 0.f;
+        for (int64_t k = 0; k < qk; ++k) {
+          const float a = xb[k] < 0 ? -xb[k] : xb[k];
+          amax = a > amax ? a : amax;
+          sum += xb[k];
+        }
+        const float d = amax / 32767.f, inv = amax > 0 ? 32767.f / amax : 0.f;
+        for (int64_t k = 0; k < qk; ++k)
+          xq[r * K + b * qk + k] = (int16_t)__builtin_nearbyintf(xb[k] * inv);
+        dx[r * nb + b] = d;
+        xsum[r * nb + b] = sum;
+      }
+    ql->xq = xq.get();
+    ql->dx = dx.get();
+    ql->xsum = xsum.get();
+  }
+};
+
+ffi::Error matmul_quant(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
+                        ffi::ResultBuffer<ffi::F32> y) {
+  const auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
+  if (xd.size() != 2 || wd.size() != 3 || yd.size() != 2)
+    return ffi::Error::InvalidArgument(
+        "specjax_matmul_quant: expects x [M, K], w [P, K / qk, R], y [M, N]");
+  const auto type = w.element_type();
+  if (type != ffi::DataType::U8 && type != ffi::DataType::S8)
+    return ffi::Error::InvalidArgument("specjax_matmul_quant: w is uint8 (4 bits) or int8");
+  Problem pr{x.typed_data(), nullptr, y->typed_data(), xd[0], xd[1], yd[1], wd[0], {}};
+  if (!quant_layout(type == ffi::DataType::U8 ? 4 : 8, wd[2], &pr.quant))
+    return ffi::Error::InvalidArgument("specjax_matmul_quant: no layout has this row size");
+  pr.quant.q = static_cast<const uint8_t*>(w.untyped_data());
+  pr.quant.nb = wd[1];
+  if (pr.quant.nb * pr.quant.qk != pr.K || yd[0] != pr.M || pr.P * PANEL != pr.N)
+    return ffi::Error::InvalidArgument("specjax_matmul_quant: shapes do not match the weight");
+  const QuantizedRows rows(pr.x, pr.M, pr.K, &pr.quant);
+  return run(pool, pr);  // returns once every panel is done: `rows` outlives the work
+}
+
+ffi::Error run(ffi::ThreadPool& pool, const Problem& pr) {
   if (pr.M == 0 || pr.N == 0) return ffi::Error::Success();
   if (pr.K == 0) {
     std::memset(pr.y, 0, sizeof(float) * pr.M * pr.N);
@@ -257,23 +551,52 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxMatmulF32, matmul_f32,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxMatmulQuant, matmul_quant,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
 extern "C" const char* specjax_matmul_isa() { return isa().name; }
 
-// The same product on the calling thread with a named instruction set, for the tests (every
-// path this CPU supports, without XLA): 0, or -1 when this CPU lacks `name`.
-extern "C" int specjax_matmul_run(const char* name, const float* x, const float* w, float* y,
-                                  int64_t M, int64_t K, int64_t N) {
+namespace {
+const Isa* named(const char* name) {
   const Isa* is = std::strcmp(name, "portable") == 0 ? &kPortable : nullptr;
 #ifdef SPECJAX_X86
   __builtin_cpu_init();
-  if (std::strcmp(name, "avx512") == 0 && __builtin_cpu_supports("avx512f")) is = &kAvx512;
+  if (std::strcmp(name, "avx512") == 0 && __builtin_cpu_supports("avx512f")) is = avx512();
   if (std::strcmp(name, "avx2") == 0 && __builtin_cpu_supports("avx2") &&
       __builtin_cpu_supports("fma"))
     is = &kAvx2;
 #endif
+  return is;
+}
+}  // namespace
+
+// The same products on the calling thread with a named instruction set, for the tests (every
+// path this CPU supports, without XLA): 0, or -1 when this CPU lacks `name` (-2: a quantized
+// row size no layout has).
+extern "C" int specjax_matmul_run(const char* name, const float* x, const float* w, float* y,
+                                  int64_t M, int64_t K, int64_t N) {
+  const Isa* is = named(name);
   if (is == nullptr) return -1;
-  const Problem pr{x, w, y, M, K, N, (N + PANEL - 1) / PANEL};
+  const Problem pr{x, w, y, M, K, N, (N + PANEL - 1) / PANEL, {}};
   if (K == 0) std::memset(y, 0, sizeof(float) * M * N);
   else run_panels(pr, 0, pr.P, *is);
+  return 0;
+}
+
+extern "C" int specjax_matmul_run_quant(const char* name, const float* x, const uint8_t* q,
+                                        int bits, int64_t row_bytes, float* y, int64_t M,
+                                        int64_t K, int64_t N) {
+  const Isa* is = named(name);
+  if (is == nullptr) return -1;
+  Problem pr{x, nullptr, y, M, K, N, N / PANEL, {}};
+  if (!quant_layout(bits, row_bytes, &pr.quant)) return -2;
+  pr.quant.q = q;
+  pr.quant.nb = K / pr.quant.qk;
+  const QuantizedRows rows(x, M, K, &pr.quant);
+  run_panels(pr, 0, pr.P, *is);
   return 0;
 }

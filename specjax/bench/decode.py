@@ -48,7 +48,8 @@ from specjax.analysis.timing import (copy_bandwidth, cpu_name, decode_step_time,
 from specjax.cli import require
 from specjax.llm import LLM
 from specjax.models import Llama, ModelConfig, save_hf_checkpoint
-from specjax.models.gguf_checkpoint import is_gguf
+from specjax.models.gguf_checkpoint import gguf_types, is_gguf
+from specjax.models.linear import is_quantized
 from specjax.models.registry import resolve_model_path
 from specjax.sampling_params import SamplingParams
 
@@ -81,11 +82,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="largest D for the t(D+1)/t(1) table (0: skip it)")
     parser.add_argument("--no-hf", action="store_true",
                         help="skip transformers: time specjax alone (no torch needed)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
+                        help="load the model in this dtype (a quantized GGUF dequantized to "
+                             "it); default: as LLM(model) loads it, a GGUF's quantized "
+                             "weights kept quantized")
+    parser.add_argument("--quantize", choices=("q8_0", "q4_0"), default=None,
+                        help="quantize a float checkpoint's weights at load (LLM(quantize=))")
     parser.add_argument("--llama-cpp", metavar="PYTHON", default=None,
                         help="an interpreter with llama-cpp-python installed (its own "
                              "virtualenv: specjax never installs it): time llama.cpp at batch "
-                             "1 on a float32 GGUF written from the same weights (GGUF models "
-                             "only: the file's tokenizer goes with them)")
+                             "1 on the same weights -- the GGUF file itself when the engine "
+                             "keeps it quantized, else a float32 GGUF written from the "
+                             "engine's weights (GGUF models only: the file's tokenizer goes "
+                             "with them)")
     parser.add_argument("--parity-prompts", type=int, default=16,
                         help="held-out prompts (chat-templated where the model has a "
                              "template) for the parity lines against transformers: max "
@@ -272,18 +281,25 @@ def run(args: argparse.Namespace) -> None:
         else:
             folder = resolve_model_path(args.model)
         start = time.perf_counter()
-        llm = LLM(str(folder), dtype="float32", max_batch_size=max(args.batch_sizes),
+        llm = LLM(str(folder), dtype=args.dtype, quantize=args.quantize,
+                  max_batch_size=max(args.batch_sizes),
                   max_model_len=args.max_model_len, progress=False, warmup=True)
         setup = time.perf_counter() - start
         cfg = llm.model.config
         N, P = args.max_tokens, args.prompt_len
+        quantized = is_quantized(llm.model)
+        weights = cfg.dtype
+        if quantized:
+            weights = (f"{', '.join(gguf_types(folder))} kept quantized" if is_gguf(folder)
+                       else f"quantized to {args.quantize}")
         print(f"model: {args.model} ({cfg.num_params / 1e6:.1f}M parameters, {cfg.num_layers} "
-              f"layers, d={cfg.hidden_size}), float32, prompt {P} tokens, {N} new tokens, "
+              f"layers, d={cfg.hidden_size}), {weights}, prompt {P} tokens, {N} new tokens, "
               f"max_model_len {llm.engine.max_len}; jax {jax.__version__} on "
               f"{jax.devices()[0].platform} ({cpu_name()}, {os.cpu_count()} cores); "
               f"LLM(model) load + warm-up {setup:.1f} s")
-        gguf = (float32_gguf(llm, Path(folder), tmp)
-                if args.llama_cpp and is_gguf(folder) else None)
+        gguf = None
+        if args.llama_cpp and is_gguf(folder):
+            gguf = Path(folder) if quantized else float32_gguf(llm, Path(folder), tmp)
         if args.llama_cpp and gguf is None:
             print("  (--llama-cpp: llama.cpp is timed on GGUF models only)")
         rng = np.random.default_rng(0)
@@ -301,8 +317,10 @@ def run(args: argparse.Namespace) -> None:
                       f"{args.repeats} runs each)")
             if lcpp_side is not None:
                 lcpp, version = lcpp_side
+                given = ("the same GGUF file" if quantized
+                         else "float32 GGUF of the same weights")
                 print(f"  (llama.cpp side: llama-cpp-python {version}, {os.cpu_count()} "
-                      f"threads, float32 GGUF of the same weights; batch 1)")
+                      f"threads, {given}; batch 1)")
             print("\n" + tab.header())
             for bsz in args.batch_sizes:
                 prompts = rng.integers(0, cfg.vocab_size, size=(bsz, P)).tolist()

@@ -19,7 +19,7 @@ from specjax.core.penalties import PenaltyState, make_penalty_state
 from specjax.core.suffix import SuffixSpec, SuffixState, make_suffix_state
 from specjax.core.worker import DraftWorker, tree_of
 from specjax.models.config import ModelConfig
-from specjax.models.linear import packed_for_cpu
+from specjax.models.linear import dequantized, packed_for_cpu
 from specjax.models.llama import Llama
 
 
@@ -123,13 +123,17 @@ def split_model(target: Llama, draft: nnx.Module | None = None, fused: bool = Tr
     `draft` is already in its own inference layout (`Speculation.draft_model`, made once with
     the same `scan_layers`), which its worker's graph definition was taken from. `packed`:
     the target's projections packed for the CPU matmul kernel (`packed_for_cpu`; a packed
-    `draft` is packed by `build_speculation`)."""
+    `draft` is packed by `build_speculation`). Unpacked, a quantized GGUF's weights stay
+    quantized on an accelerator (dequantized inside the step) and become float32 where XLA's
+    dot runs on a CPU or tensor parallelism splits them (`dequantized`)."""
     if fused:
         target = target.for_inference(scan_layers)
     else:
         target = target.restacked() if scan_layers else target.unstacked()
     if packed:
         target = packed_for_cpu(target)
+    elif not fused or jax.default_backend() == "cpu":
+        target = dequantized(target)
     graphdef, state = nnx.split(target)
     return graphdef, Params(
         target=nnx.to_pure_dict(state),

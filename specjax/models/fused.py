@@ -14,6 +14,7 @@ from typing import Any, Mapping, Sequence
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.cpu_matmul import PANEL, quant
 from specjax.models.linear import linear
 
 # fused name -> the projections it concatenates, in output-feature order.
@@ -32,11 +33,25 @@ def fuse_projections(params: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
     replaced by `<group>_proj` (`<group>_bias`) concatenated along the last axis."""
     out = dict(params)
     for group, parts in FUSED_GROUPS.items():
+        if not _fusable([out.get(f"{p}_proj") for p in parts]):
+            continue
         for kind in ("proj", "bias"):
             names = [f"{p}_{kind}" for p in parts]
             if all(n in out for n in names):
-                out[f"{group}_{kind}"] = jnp.concatenate([out.pop(n) for n in names], axis=-1)
+                arrays = [out.pop(n) for n in names]
+                # a quantized weight's output columns are its panels, `[..., P, K / qk, R]`
+                axis = -3 if quant.is_quantized(arrays[0]) else -1
+                out[f"{group}_{kind}"] = jnp.concatenate(arrays, axis=axis)
     return out
+
+
+def _fusable(weights: list) -> bool:
+    """Float weights, or quantized ones of one layout (a GGUF may mix types within a layer:
+    those stay apart)."""
+    if any(w is None for w in weights):
+        return True  # nothing to fuse; the loop above skips it
+    formats = {quant.format_of(w) for w in weights}
+    return formats == {None} or (len(formats) == 1 and None not in formats)
 
 
 def unfuse_projections(params: Mapping[str, jax.Array], sizes: Mapping[str, Sequence[int]]
@@ -47,7 +62,12 @@ def unfuse_projections(params: Mapping[str, jax.Array], sizes: Mapping[str, Sequ
     for group, parts in FUSED_GROUPS.items():
         for kind in ("proj", "bias"):
             name = f"{group}_{kind}"
-            if name in out:
+            if name in out and quant.is_quantized(out[name]):
+                fused = out.pop(name)
+                cuts = list(accumulate(s // PANEL for s in sizes[group][:-1]))
+                pieces = jnp.split(fused, cuts, axis=-3)
+                out.update({f"{p}_{kind}": x for p, x in zip(parts, pieces)})
+            elif name in out:
                 pieces = _split(out.pop(name), sizes[group])
                 out.update({f"{p}_{kind}": x for p, x in zip(parts, pieces)})
     return out

@@ -3,9 +3,12 @@
 A GGUF holds the hyper-parameters and the tokenizer as metadata under llama.cpp's key names,
 and the weights in llama.cpp's layout: linear weights `[out, in]` like Hugging Face's, but the
 q/k rows of Llama-architecture files interleaved for llama.cpp's rotary (its converter permutes
-them; undone here so the rotate-half RoPE of `models/rope.py` applies). Quantized tensors are
-dequantized to float32 once, at load, then cast to `dtype`: the engine computes in float32 or
-bfloat16, never on quantized blocks.
+them; undone here so the rotate-half RoPE of `models/rope.py` applies).
+
+Quantized projections (and the embedding, and the LM head) stay quantized by default: their
+blocks are repacked for the CPU matmul kernel (`pallas_kernels.cpu_matmul.quant`), no float
+copy made, so a step reads about the file's size. Naming a `dtype` ("float32", "bfloat16")
+dequantizes every tensor to it at load instead, as the engine did before.
 """
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from pallas_kernels.cpu_matmul import PANEL, quant
 from specjax.models.checkpoint_io import CheckpointError, refuse_leftovers, tensor_taker
 from specjax.models.config import DTYPES, ModelConfig, RopeScaling
 from specjax.models.hf_checkpoint import model_from_params
@@ -148,6 +152,14 @@ class GGUFFile:
         return np.asarray(dequantize(raw.reshape(1, -1), qtype), np.float32).reshape(shape)
 
 
+def gguf_types(path: str | os.PathLike) -> list[str]:
+    """The tensor types of a GGUF file, the most bytes first ("Q4_1", "Q8_0", "F32")."""
+    sizes: dict[str, int] = {}
+    for qtype, _, raw in GGUFFile(path).tensors.values():
+        sizes[qtype.name] = sizes.get(qtype.name, 0) + raw.nbytes
+    return sorted(sizes, key=sizes.get, reverse=True)
+
+
 def read_gguf_metadata(path: str | os.PathLike) -> dict[str, Any]:
     """Every metadata key of a GGUF file with its value (strings decoded, arrays as lists)."""
     return GGUFFile(path).meta
@@ -235,8 +247,9 @@ def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
 
 def load_gguf(path: str | os.PathLike, dtype: str | None = None) -> Llama:
     """Load a GGUF file (architectures llama, mistral, qwen2, qwen3; tensors F32, F16, BF16,
-    Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K) into a `Llama` computing in `dtype` (default float32;
-    quantized weights are dequantized). Never downloads."""
+    Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K) into a `Llama`. `dtype` None: computing in float32 with
+    quantized weights kept quantized (module docstring); a `dtype`: every weight dequantized
+    to it. Never downloads."""
     from gguf import GGMLQuantizationType
 
     file = GGUFFile(path)
@@ -253,24 +266,48 @@ def load_gguf(path: str | os.PathLike, dtype: str | None = None) -> Llama:
     permuted = config.model_type in _PERMUTED
     heads = {"q": config.num_heads, "k": config.num_kv_heads}
 
-    def tensor(name: str) -> np.ndarray:
-        array = file.dequantized(name)
+    def unpermuted(name: str, array: np.ndarray) -> np.ndarray:
         role = name.split(".")[-2] if name.count(".") >= 2 else ""
         if permuted and role in ("attn_q", "attn_k"):
             array = _unpermute(array, heads[role[-1]])
         return array
 
-    tensors = {name: tensor(name) for name in file.tensors if name not in _IGNORED}
+    def keeps(name: str) -> bool:  # stays quantized: a supported type, whole panels of rows
+        qtype, shape, _ = file.tensors.get(name, (None, (), None))
+        return (dtype is None and qtype is not None and qtype.name in quant.FORMATS
+                and len(shape) == 2 and shape[0] % PANEL == 0)
+
+    L, V, D = config.num_layers, config.vocab_size, config.hidden_size
+    shapes = layer_param_shapes(config)
+    layer_names = lambda key: [f"blk.{i}.{_LAYER_NAMES[key]}" for i in range(L)]
+    # A layer parameter stays quantized when it is in every layer (the layers stack).
+    kept_keys = {key for key in _TRANSPOSED & set(shapes) if all(map(keeps, layer_names(key)))}
+    kept = {n for key in kept_keys for n in layer_names(key)}
+    kept |= {n for n in ("token_embd.weight", "output.weight") if keeps(n)}
+
+    def packed(names: list[str], file_shape: tuple[int, ...]) -> np.ndarray:
+        for name in names:
+            if name not in file.tensors:
+                raise CheckpointError(f"tensor {name!r} is missing from the GGUF file {path}")
+            if file.tensors[name][1] != file_shape:
+                raise CheckpointError(f"tensor {name!r} has shape {file.tensors[name][1]}, "
+                                      f"expected {file_shape}")
+        return quant.pack_gguf_stack([(unpermuted(n, file.tensors[n][2]),
+                                       file.tensors[n][0].name) for n in names])
+
+    tensors = {name: unpermuted(name, file.dequantized(name)) for name in file.tensors
+               if name not in _IGNORED and name not in kept}
     take = tensor_taker(tensors, jnp.dtype(config.dtype), f"the GGUF file {path}")
-    V, D = config.vocab_size, config.hidden_size
-    params = {"embed": take("token_embd.weight", (V, D)),
+    params = {"embed": (packed(["token_embd.weight"], (V, D))[0]
+                        if "token_embd.weight" in kept else take("token_embd.weight", (V, D))),
               "final_norm": take("output_norm.weight", (D,))}
     if not config.tie_word_embeddings:
-        params["lm_head"] = take("output.weight", (D, V), transpose=True)
+        params["lm_head"] = (packed(["output.weight"], (V, D))[0] if "output.weight" in kept
+                             else take("output.weight", (D, V), transpose=True))
     params["layers"] = {
-        key: np.stack([take(f"blk.{i}.{_LAYER_NAMES[key]}", shape, key in _TRANSPOSED)
-                       for i in range(config.num_layers)])
-        for key, shape in layer_param_shapes(config).items()}
+        key: (packed(layer_names(key), tuple(reversed(shape))) if key in kept_keys else
+              np.stack([take(name, shape, key in _TRANSPOSED) for name in layer_names(key)]))
+        for key, shape in shapes.items()}
     refuse_leftovers(tensors, f"GGUF file has tensors this {config.model_type} config does "
                               "not use")
     return model_from_params(config, params)

@@ -7,6 +7,11 @@ once however many rows (batch x verified tokens) a step multiplies, where XLA:CP
 dot read it at a fraction of the 1-row rate (issue 61: verifying 4 drafts cost 2.17x a plain
 step). A packed weight is `[ceil(out / 32), in, 32]`: `linear` tells the layouts apart by rank
 (a layer's projection is 2-D; under `lax.scan` the stacked `[L, ...]` arrays are sliced to it).
+
+A GGUF's quantized projections stay quantized (`pallas_kernels.cpu_matmul.quant`: uint8/int8
+`[P, K / qk, R]`, 3-D like a packed float weight): the same kernel on a CPU, a jnp
+dequantize-then-dot elsewhere. `dequantized` turns them back into float `[in, out]` weights
+where XLA's dot is asked for on a CPU.
 """
 from __future__ import annotations
 
@@ -17,6 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from pallas_kernels import cpu_matmul
+from pallas_kernels.cpu_matmul import quant
 
 # The parameters that are dense projections `[in, out]`, by name, in every model and head
 # (target layers fused or not, EAGLE-3, MTP, DFlash, DSpark, Bamba). Embeddings, norms,
@@ -31,7 +37,8 @@ M = TypeVar("M", bound=nnx.Module)
 
 def linear(x: jax.Array, w: jax.Array) -> jax.Array:
     """x `[..., in]` @ w: `[in, out]` (or a vector `[in]`) by XLA's dot, or packed
-    `[P, in, 32]` by the CPU kernel (`pallas_kernels.cpu_matmul.matmul`)."""
+    `[P, in, 32]` / quantized `[P, in / qk, R]` by the CPU kernel
+    (`pallas_kernels.cpu_matmul.matmul`)."""
     if w.ndim <= 2:
         return x @ w
     if w.ndim == 3:
@@ -54,7 +61,7 @@ def packed_for_cpu(module: M) -> M:
     module = nnx.merge(*nnx.split(module))
     config = getattr(module, "config", None)
     if (getattr(config, "tie_word_embeddings", False) and hasattr(module, "embed")
-            and not hasattr(module, "lm_head")):
+            and not hasattr(module, "lm_head") and not quant.is_quantized(module.embed[...])):
         module.lm_head = nnx.Param(module.embed[...].T)
     graphdef, state = nnx.split(module)
     pure = nnx.to_pure_dict(state)
@@ -68,3 +75,26 @@ def packed_for_cpu(module: M) -> M:
     nnx.replace_by_pure_dict(state, pack(pure))
     return nnx.merge(graphdef, state)
 
+
+
+def is_quantized(module: nnx.Module) -> bool:
+    """Whether any parameter of `module` is a quantized weight (`quant.py`)."""
+    return any(quant.is_quantized(a) for a in jax.tree.leaves(nnx.state(module)))
+
+
+def dequantized(module: M) -> M:
+    """A copy of `module` with every quantized weight turned into float32 `[..., in, out]`
+    (an embedding kept as its LM head back into `[V, D]`): the same values, for XLA's dot."""
+    if not is_quantized(module):
+        return module
+    graphdef, state = nnx.split(nnx.merge(*nnx.split(module)))
+
+    def convert(tree):
+        if isinstance(tree, dict):
+            return {k: (jnp.swapaxes(quant.dequantize(v), -1, -2) if k == "embed"
+                        else quant.dequantize(v)) if quant.is_quantized(v) else convert(v)
+                    for k, v in tree.items()}
+        return tree
+
+    nnx.replace_by_pure_dict(state, convert(nnx.to_pure_dict(state)))
+    return nnx.merge(graphdef, state)

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from pallas_kernels.cpu_matmul import quant
 from pallas_kernels.paged_attention.reference import NO_WINDOW, dense_attention
 from specjax.models.config import ModelConfig
 from specjax.models.fused import (fuse_projections, linear_parts, projection_sizes,
@@ -161,8 +162,12 @@ class Llama(nnx.Module):
         return self.restacked(fused=True) if scan_layers else self.unstacked(fused=True)
 
     def embed_tokens(self, tokens: jax.Array) -> jax.Array:
-        """tokens `[B, T]` -> `[B, T, D]`."""
-        return jnp.take(self.embed[...], tokens, axis=0)
+        """tokens `[B, T]` -> `[B, T, D]` (from a quantized GGUF's tied embedding, kept as its
+        LM head `[D, V]` quantized: only the looked-up rows are dequantized)."""
+        embed = self.embed[...]
+        if quant.is_quantized(embed):
+            return quant.take_columns(embed, tokens).astype(self.config.dtype)
+        return jnp.take(embed, tokens, axis=0)
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """Final norm + LM head: `[..., D]` -> float32 `[..., V]`."""
@@ -171,10 +176,12 @@ class Llama(nnx.Module):
 
     def head_weight(self) -> jax.Array:
         """The LM head `[D, V]` (the embedding's transpose if tied), or the packed copy
-        `specjax.models.linear.packed_for_cpu` gave it."""
+        `specjax.models.linear.packed_for_cpu` gave it, or a quantized GGUF's (the embedding
+        itself, kept in the head's layout)."""
         if hasattr(self, "lm_head"):
             return self.lm_head[...]
-        return self.embed[...].T
+        embed = self.embed[...]
+        return embed if quant.is_quantized(embed) else embed.T
 
     def run_layers(self, x: jax.Array, positions: jax.Array, attend: AttendFn, state: Any,
                    capture_layers: Sequence[int] = ()) -> tuple[jax.Array, jax.Array, Any]:

@@ -84,7 +84,11 @@ def build_parser() -> argparse.ArgumentParser:
                              "its steps on their devices")
     parser.add_argument("--process-id", type=int, default=0, help="this process's index")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
-                        help="parameter dtype (default: the checkpoint's)")
+                        help="parameter dtype (default: the checkpoint's; a GGUF's quantized "
+                             "weights stay quantized unless a dtype is named)")
+    parser.add_argument("--quantize", choices=("q8_0", "q4_0"), default=None,
+                        help="quantize a float checkpoint's weights at load, its LM head to "
+                             "q8_0 (default: none, the checkpoint's own weights)")
     parser.add_argument("--seed", type=int, default=None,
                         help="draws the seeds of requests that give none (default: random)")
     parser.add_argument("--log-level", default="info",
@@ -146,7 +150,8 @@ def main(argv: list[str] | None = None) -> int:
         if (args.num_processes > 1) != (args.coordinator_address is not None):
             raise ValueError("a multi-process job needs both --coordinator-address and "
                              "--num-processes > 1")
-        llm = LLM(args.model, dtype=args.dtype, max_batch_size=args.max_batch_size,
+        llm = LLM(args.model, dtype=args.dtype, quantize=args.quantize,
+                  max_batch_size=args.max_batch_size,
                   max_model_len=args.max_model_len, num_kv_blocks=args.kv_blocks,
                   seed=args.seed, speculative_config=spec,
                   enable_prefix_cache=not args.no_prefix_cache,

@@ -1,21 +1,25 @@
 """The step cost table: measured medians, real iterations correcting them, the stalest shape."""
 import itertools
 
+from specjax.engine import costs
 from specjax.engine.costs import MIN_OBSERVED, CostTable, measure
 
 
-def test_measure_keeps_the_median_of_the_timed_calls_after_an_untimed_one():
+def test_measure_keeps_the_median_of_the_timed_calls_after_an_untimed_one(monkeypatch):
+    # A fake clock that only `run` advances: a loaded CI machine cannot turn a fast call slow.
+    now = [0.0]
+    monkeypatch.setattr(costs.time, "perf_counter", lambda: now[0])
     calls = []
-    pauses = itertools.chain([0.05], itertools.cycle([0.0, 0.0, 0.03]))  # first: the compile
+    pauses = itertools.chain([5.0], itertools.cycle([1.0, 1.0, 3.0]))  # first: the compile
 
     def run(b, w):
         calls.append((b, w))
-        import time
-        time.sleep(next(pauses) if (b, w) == (1, 2) else 0.0)
+        now[0] += next(pauses) if (b, w) == (1, 2) else 0.5
 
     table = measure(run, [(1, 2), (4, 1)], repeats=3)
     assert calls.count((1, 2)) == 4 and calls.count((4, 1)) == 4
-    assert table.seconds[1, 2] < 0.02   # the median ignores the one slow call
+    assert table.seconds[1, 2] == 1.0   # the median ignores the one slow call and the untimed one
+    assert table.seconds[4, 1] == 0.5
     assert set(table.for_bucket(1)) == {2} and set(table.for_bucket(4)) == {1}
 
 

@@ -8,10 +8,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from pallas_kernels.cpu_matmul import quant
+from specjax import LLM, NGramConfig, SamplingParams
 from specjax.models import Llama, ModelConfig
 from specjax.models.checkpoint_io import CheckpointError
 from specjax.models.gguf_checkpoint import (GGUFFile, TENSOR_TYPES, gguf_metadata, gguf_tensors,
                                             is_gguf, load_gguf, write_gguf)
+from specjax.models.linear import is_quantized
 from specjax.models.registry import BUNDLED_TARGET, CHECKPOINTS_DIR
 from specjax.tokenizer import Tokenizer
 
@@ -133,12 +136,58 @@ def test_logits_match_transformers_gguf_loader(written, transformers_model):
 
 def test_bfloat16_load_is_the_float32_weights_rounded(written):
     path, _ = written
-    f32, bf16 = load_gguf(path), load_gguf(path, dtype="bfloat16")
+    f32, bf16 = load_gguf(path, dtype="float32"), load_gguf(path, dtype="bfloat16")
     assert bf16.config.dtype == "bfloat16"
     np.testing.assert_array_equal(
         np.asarray(bf16.layer_params()["gate_proj"], np.float32),
         np.asarray(jnp.asarray(f32.layer_params()["gate_proj"]).astype(jnp.bfloat16),
                    np.float32))
+
+
+def test_quantized_weights_stay_quantized_in_one_layout_a_parameter(written):
+    """By default a layer parameter quantized in every layer stays quantized (types mixed
+    across layers in the layout that holds both exactly), the rest is dequantized; the values
+    are the float32 load's, and the logits agree with it up to the kernel's rounding."""
+    path, _ = written
+    q, f = load_gguf(path), load_gguf(path, dtype="float32")
+    layers = q.layer_params()
+    assert {k for k, v in layers.items() if quant.is_quantized(v)} == {
+        "v_proj", "gate_proj", "up_proj", "down_proj"}  # q, k, o: a float layer among them
+    assert quant.format_of(layers["v_proj"][0]) == quant.Format(8, 32)    # Q4_1 + Q8_0
+    assert quant.format_of(layers["gate_proj"][0]) == quant.Format(8, 16)  # Q4_K + Q6_K
+    assert quant.is_quantized(q.embed[...]) and not quant.is_quantized(q.lm_head[...])
+    for key in ("v_proj", "down_proj"):
+        np.testing.assert_array_equal(np.asarray(quant.dequantize(layers[key])),
+                                      np.asarray(f.layer_params()[key]))
+    np.testing.assert_array_equal(np.asarray(q.embed_tokens(jnp.asarray(PROMPTS))),
+                                  np.asarray(f.embed_tokens(jnp.asarray(PROMPTS))))
+    # q/k/v cannot fuse (float q and k, quantized v), gate/up can not either (two layouts)
+    names = set(q.for_inference(scan_layers=False).layers[0].keys())
+    assert {"q_proj", "v_proj", "gate_proj", "up_proj"} <= names
+    # The kernel rounds activations to 16 bits a block (2^-16 of the block's largest entry):
+    # over two layers the logits move by 5e-4 of their scale here.
+    lq, lf = q.forward(jnp.asarray(PROMPTS))[0], f.forward(jnp.asarray(PROMPTS))[0]
+    assert float(jnp.abs(lq - lf).max()) <= 2e-3 * float(jnp.abs(lf).max())
+
+
+def test_quantized_engine_generates_what_the_dequantized_one_does(written):
+    """Through the engine: the quantized model's greedy output drafted equals its plain output
+    token for token, every KV block comes back, and the dequantized model agrees with it
+    (the kernel rounds activations to 16 bits: these prompts have no near tie)."""
+    path, _ = written
+    prompts = PROMPTS.tolist()
+    params = SamplingParams(max_tokens=12, temperature=0)
+    common = dict(max_batch_size=2, batch_sizes=(2,), max_model_len=64, progress=False)
+    quantized = LLM(str(path), **common)
+    plain = [o.token_ids for o in quantized.generate(prompts, params)]
+    f32 = LLM(str(path), dtype="float32", **common)
+    assert is_quantized(quantized.model) and not is_quantized(f32.model)
+    if quantized.stats.matmul.startswith("kernel"):
+        assert [o.token_ids for o in f32.generate(prompts, params)] == plain
+    drafted = LLM(str(path), speculative_config=NGramConfig(max_draft_len=3), **common)
+    assert [o.token_ids for o in drafted.generate(prompts, params)] == plain
+    for llm in (quantized, drafted):
+        assert llm.engine.allocator.num_free_blocks == llm.engine.allocator.total_blocks
 
 
 def test_tokenizer_matches_transformers_and_the_folder(written):

@@ -226,3 +226,21 @@ def test_xla_dot_gives_the_kernels_greedy_output(plain):
                           speculative_config=config, **SIZES)
         assert llm.stats.matmul.startswith("xla")
         assert [o.token_ids for o in llm.generate(PROMPTS, PARAMS)] == plain[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["q4_0"])
+def test_a_quantized_target_drafted_by_every_mode_equals_its_plain_output(kind):
+    """Exactness is relative to the quantized target: the bundled model quantized at load,
+    plain greedy output against a chain head's, a draft model's and a parallel drafter's
+    (drafters stay float; what makes every mode exact is the kernel's rows being the same
+    alone or together, tests/pallas_kernels/test_cpu_matmul_quant.py)."""
+    plain = specjax.LLM("bundled", quantize=kind, **SIZES)
+    expected = [o.token_ids for o in plain.generate(PROMPTS, PARAMS)]
+    for config in (EagleConfig(max_draft_len=4),
+                   DraftTargetConfig(max_draft_len=4, speculative_model="bundled-draft"),
+                   PARDConfig(max_draft_len=4, speculative_model="bundled-pard")):
+        llm = specjax.LLM("bundled", quantize=kind, speculative_config=config, **SIZES)
+        assert [o.token_ids for o in llm.generate(PROMPTS, PARAMS)] == expected, config_id(config)
+        assert llm.stats.acceptance_length > 1.0, config_id(config)
+        assert llm.engine.allocator.num_free_blocks == llm.engine.allocator.total_blocks

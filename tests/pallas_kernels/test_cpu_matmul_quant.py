@@ -1,0 +1,191 @@
+"""Quantized weights: GGUF's blocks repacked (`cpu_matmul.quant`) dequantize to exactly what the
+`gguf` package makes of them, and the kernel on them, every type x row counts 1..64 x every
+instruction set, is within a stated bound of the gguf package's dequantization followed by a
+float64 dot (`_quant_bound`), the same bit for bit on every instruction set and whatever rows
+share a call.
+"""
+import ctypes
+
+import gguf
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from gguf.quants import dequantize, quantize
+
+from pallas_kernels import cpu_matmul
+from pallas_kernels.cpu_matmul import PANEL, quant
+
+ISAS = ("avx512", "avx2", "portable")
+K = 512  # two K-type super-blocks; four 128-row kernel blocks
+
+
+def gguf_blocks(qtype: str, n: int, k: int, seed: int = 0) -> np.ndarray:
+    """`[n, bytes]` blocks of `qtype`: quantized random weights where the `gguf` package can
+    quantize the type, else random bytes with small half-precision scales (how llama.cpp's
+    K-quants look to a reader: any bit pattern of the fields is a valid block)."""
+    rng = np.random.default_rng(seed)
+    t = gguf.GGMLQuantizationType[qtype]
+    if not qtype.endswith("_K"):
+        return quantize(rng.standard_normal((n, k)).astype(np.float32), t)
+    _, size = gguf.GGML_QUANT_SIZES[t]
+    raw = rng.integers(0, 256, (n, k // 256, size), dtype=np.uint8)
+    scales = (rng.uniform(0.001, 0.02, (n, k // 256, 2)).astype(np.float16)
+              .view(np.uint8).reshape(n, k // 256, 4))
+    if qtype == "Q6_K":
+        raw[..., 208:210] = scales[..., :2]
+    else:
+        raw[..., 0:4] = scales
+    return raw.reshape(n, -1)
+
+
+def as_float(raw: np.ndarray, qtype: str) -> np.ndarray:
+    """The gguf package's dequantization, as our `W [K, N]`."""
+    t = gguf.GGMLQuantizationType[qtype]
+    return dequantize(raw, t).reshape(raw.shape[0], -1).T.astype(np.float32)
+
+
+def _lib():
+    lib = ctypes.CDLL(str(cpu_matmul.library_path()))
+    lib.specjax_matmul_run.argtypes = [ctypes.c_char_p] + [ctypes.c_void_p] * 3 + \
+        [ctypes.c_int64] * 3
+    lib.specjax_matmul_run_quant.argtypes = [ctypes.c_char_p, ctypes.c_void_p, ctypes.c_void_p,
+                                             ctypes.c_int, ctypes.c_int64, ctypes.c_void_p] + \
+        [ctypes.c_int64] * 3
+    return lib
+
+
+@pytest.mark.parametrize("qtype", quant.TYPES)
+def test_repacked_blocks_dequantize_to_the_gguf_packages_floats(qtype):
+    raw = gguf_blocks(qtype, 64, K)
+    packed = quant.pack_gguf(raw, qtype)
+    f = quant.FORMATS[qtype]
+    assert quant.format_of(packed) == f and packed.shape == (2, K // f.qk, f.row_bytes)
+    assert quant.weight_shape(packed) == (K, 64)
+    w = as_float(raw, qtype)
+    np.testing.assert_array_equal(np.asarray(quant.dequantize(jnp.asarray(packed))), w)
+    ids = jnp.asarray([[0, 5, 33], [63, 32, 2]])  # a tied embedding's lookup: W's columns
+    np.testing.assert_array_equal(np.asarray(quant.take_columns(jnp.asarray(packed), ids)),
+                                  w.T[np.asarray(ids)])
+
+
+def test_mixed_types_stack_in_one_layout_that_holds_each_exactly():
+    tensors = [(gguf_blocks(t, 32, K, seed=i), t) for i, t in enumerate(("Q4_K", "Q6_K", "Q4_1"))]
+    stacked = quant.pack_gguf_stack(tensors)
+    assert quant.format_of(stacked[0]) == quant.Format(8, 16)  # the widest: 8 bits, qk 16
+    for layer, (raw, t) in zip(stacked, tensors):
+        np.testing.assert_array_equal(np.asarray(quant.dequantize(jnp.asarray(layer))),
+                                      as_float(raw, t))
+
+
+def _run_quant(lib, isa, x, packed):
+    f = quant.format_of(packed)
+    k, n = quant.weight_shape(packed)
+    y = np.full((x.shape[0], n), np.nan, np.float32)
+    rc = lib.specjax_matmul_run_quant(isa.encode(), x.ctypes.data, packed.ctypes.data, f.bits,
+                                      f.row_bytes, y.ctypes.data, x.shape[0], k, n)
+    return None if rc == -1 else y
+
+
+def _quant_bound(x, raw, qtype):
+    """The kernel rounds each row's block of x to 16 bits (an error of at most half its step,
+    max |x_block| / 32767 / 2, on each entry), sums x * q over each block exactly in
+    integers, and scales that by s and adds m times the block's float sum of x: the first
+    error times |q s| summed, plus float rounding at most K + 2 K / qk deep on terms bounded
+    by |x| @ (|q s| + |m|) (test_cpu_matmul.py's K * 2^-23 factor)."""
+    q, scale, mn = quant.unpack_blocks(raw, qtype)
+    f = quant.FORMATS[qtype]
+    qs = np.abs(q * np.repeat(scale, f.qk, 1)).T                    # [K, N]
+    size = qs + np.abs(np.repeat(mn, f.qk, 1)).T
+    step = np.abs(x).reshape(len(x), -1, f.qk).max(-1) / 32767    # [M, nb]
+    rounding = np.repeat(step / 2, f.qk, 1).astype(np.float64) @ qs
+    return rounding * (1 + 1e-6) + x.shape[1] * 2.0 ** -23 * (np.abs(x).astype(np.float64) @ size)
+
+
+@pytest.mark.skipif(cpu_matmul.library_path() is None, reason="the kernel is not built")
+@pytest.mark.parametrize("isa", ISAS)
+def test_every_type_and_row_count_within_the_bound_and_alike_on_every_isa(isa):
+    """Rows 1..16, 31, 47, 64 (every row group split), each type: within the bound of a
+    float64 product with the gguf package's floats; a row's result the same alone or among
+    others, and the same on every instruction set (the portable path's order), bit for bit."""
+    lib, rng = _lib(), np.random.default_rng(1)
+    x_all = rng.standard_normal((64, K)).astype(np.float32)
+    for qtype in quant.TYPES:
+        raw = gguf_blocks(qtype, 2 * PANEL, K)
+        packed = np.ascontiguousarray(quant.pack_gguf(raw, qtype))
+        w = as_float(raw, qtype)
+        for m in (*range(1, 17), 31, 47, 64):
+            x = x_all[:m]
+            y = _run_quant(lib, isa, x, packed)
+            if y is None:
+                pytest.skip(f"this CPU has no {isa}")
+            exact = x.astype(np.float64) @ w.astype(np.float64)
+            assert np.all(np.abs(y - exact) <= _quant_bound(x, raw, qtype)), (qtype, isa, m)
+            np.testing.assert_array_equal(y, _run_quant(lib, "portable", x, packed),
+                                          err_msg=f"{qtype} {isa} rows={m}")
+            np.testing.assert_array_equal(y[-1], _run_quant(lib, isa, x[-1:], packed)[0])
+
+
+@pytest.mark.skipif(cpu_matmul.library_path() is None, reason="the kernel is not built")
+def test_jitted_custom_call_with_threads_and_rows_alone_or_together():
+    assert cpu_matmul.available(), cpu_matmul.status()
+    rng = np.random.default_rng(2)
+    raw = gguf_blocks("Q4_1", 40 * PANEL, K)  # 40 panels: the thread split
+    packed = jnp.asarray(quant.pack_gguf(raw, "Q4_1"))
+    w = as_float(raw, "Q4_1")
+    n = w.shape[1]
+    f = jax.jit(cpu_matmul.matmul)
+    assert "specjax_matmul_quant" in f.lower(jnp.ones((3, K)), packed).as_text()
+    for lead in [(1,), (2, 3), (5, 1, 8)]:
+        x = rng.standard_normal((*lead, K)).astype(np.float32)
+        y = np.asarray(f(jnp.asarray(x), packed))
+        assert y.shape == (*lead, w.shape[1])
+        rows = x.reshape(-1, K)
+        exact = rows.astype(np.float64) @ w.astype(np.float64)
+        assert np.all(np.abs(y.reshape(-1, n) - exact) <= _quant_bound(rows, raw, "Q4_1"))
+        np.testing.assert_array_equal(y.reshape(-1, w.shape[1])[-1],
+                                      np.asarray(f(jnp.asarray(x.reshape(-1, K)[-1:]), packed))[0])
+    # and the same as the kernel called from C on this thread
+    flat = np.ascontiguousarray(x.reshape(-1, K))
+    isa = cpu_matmul.status().removeprefix("kernel (").removesuffix(")")
+    np.testing.assert_array_equal(y.reshape(-1, n),
+                                  _run_quant(_lib(), isa, flat, np.asarray(packed)))
+
+
+def test_not_built_dequantizes_and_dots(monkeypatch):
+    monkeypatch.setattr(cpu_matmul, "library_path", lambda: None)
+    cpu_matmul._load.cache_clear()
+    try:
+        packed = jnp.asarray(quant.pack_gguf(gguf_blocks("Q8_0", PANEL, 64), "Q8_0"))
+        x = jnp.asarray(np.random.default_rng(3).standard_normal((2, 64)), jnp.float32)
+        assert "specjax_matmul" not in jax.jit(cpu_matmul.matmul).lower(x, packed).as_text()
+        np.testing.assert_allclose(cpu_matmul.matmul(x, packed), x @ quant.dequantize(packed),
+                                   rtol=1e-6, atol=1e-6)
+    finally:
+        monkeypatch.undo()
+        cpu_matmul._load.cache_clear()
+
+
+def test_what_is_not_a_quantized_weight_is_refused_by_name():
+    assert quant.format_of(jnp.ones((2, 3, PANEL))) is None  # a packed float weight
+    assert quant.format_of(np.zeros((2, 3, 100), np.uint8)) is None  # no layout's row size
+    with pytest.raises(ValueError, match="not supported"):
+        quant.unpack_blocks(np.zeros((32, 18), np.uint8), "Q2_K")
+    with pytest.raises(ValueError, match="multiple of 32 outputs"):
+        quant.pack_gguf(gguf_blocks("Q8_0", 40, 64), "Q8_0")
+    with pytest.raises(ValueError, match="do not match"):
+        cpu_matmul.matmul(jnp.ones((2, 63)), jnp.asarray(quant.pack_gguf(
+            gguf_blocks("Q8_0", PANEL, 64), "Q8_0")))
+
+
+def test_an_accelerator_gets_the_dequantize_then_dot_path():
+    """Lowered for CUDA (no GPU needed to lower), the step holds no CPU custom call: a GPU
+    runs the same quantized model through jnp's dequantization and XLA's dot."""
+    from jax import export
+    packed = jnp.asarray(quant.pack_gguf(gguf_blocks("Q4_1", PANEL, 64), "Q4_1"))
+    checks = [export.DisabledSafetyCheck.custom_call("specjax_matmul_quant")]
+    lower = lambda platform: export.export(jax.jit(cpu_matmul.matmul), platforms=[platform],
+                                           disabled_checks=checks)(jnp.ones((3, 64)), packed)
+    assert "specjax_matmul" not in lower("cuda").mlir_module()
+    if cpu_matmul.available():
+        assert "specjax_matmul_quant" in lower("cpu").mlir_module()
