@@ -51,16 +51,15 @@ constexpr int64_t kPrefetchRows = 64;
 
 // A quantized weight's layout (quant.py): per panel nb block rows of row_bytes, each qk k's
 // of values (bits 4: PANEL / 2 bytes a k, column j in byte j % 16's low (j < 16) or high
-// nibble; 8: PANEL int8) then PANEL float scales and PANEL float mins.
+// nibble; 8: PANEL int8; the two k's of a pair interleaved byte by byte) then PANEL float
+// scales and PANEL float mins.
 struct QuantLayout {
   const uint8_t* q = nullptr;  // [P, nb, row_bytes]; null: the weight is float (Problem::w)
-  // Per call (block_quantize): x in 16 bits [M, K], its scales and block sums [M, nb].
+  // Per call (QuantizedRows): x in 16 bits [M, K], its scales and block sums [M, nb].
   const int16_t* xq = nullptr;
   const float *dx = nullptr, *xsum = nullptr;
   int bits = 0;
   int64_t qk = 0, nb = 0, row_bytes = 0;
-  int64_t k_bytes() const { return PANEL * bits / 8; }
-  int64_t value_bytes() const { return qk * k_bytes(); }
   int kind() const { return bits == 4 ? 0 : qk == 32 ? 1 : 2; }  // Isa::quant's first index
 };
 

@@ -79,11 +79,17 @@ def is_quantized(w) -> bool:
     return format_of(w) is not None
 
 
-def weight_shape(packed) -> tuple[int, int]:
-    """(K, N) of the weight `packed` holds."""
+def _format(packed) -> Format:
     f = format_of(packed)
     if f is None:
-        raise ValueError(f"not a packed quantized weight: {getattr(packed, 'shape', packed)}")
+        raise ValueError(f"not a packed quantized weight: {getattr(packed, 'dtype', '')} "
+                         f"{getattr(packed, 'shape', packed)}")
+    return f
+
+
+def weight_shape(packed) -> tuple[int, int]:
+    """(K, N) of the weight `packed` holds."""
+    f = _format(packed)
     p, nb, _ = packed.shape[-3:]
     return nb * f.qk, p * PANEL
 
@@ -187,9 +193,7 @@ def pack_values(q: np.ndarray, scale: np.ndarray, mn: np.ndarray, f: Format) -> 
 def _split(packed: jax.Array) -> tuple[Format, jax.Array, jax.Array, jax.Array]:
     """packed `[..., P, nb, R]` -> (format, q float32 `[..., P, nb, qk, PANEL]`, scale and min
     `[..., P, nb, 1, PANEL]`)."""
-    f = format_of(packed)
-    if f is None:
-        raise ValueError(f"not a packed quantized weight: {packed.dtype} {packed.shape}")
+    f = _format(packed)
     lead = packed.shape[:-1]
     raw = jax.lax.bitcast_convert_type(packed, jnp.uint8) if f.bits == 8 else packed
     width = PANEL * f.bits // 8  # bytes a k
@@ -219,9 +223,7 @@ def take_columns(packed: jax.Array, ids: jax.Array) -> jax.Array:
     """Columns `ids` of the weight, as rows: `W[:, ids].T`, `ids.shape + (K,)` float32 -- the
     token lookup of a tied embedding kept as its (packed) LM head. Only each column's own
     bytes are gathered: a step looks up one token a row."""
-    f = format_of(packed)
-    if f is None:
-        raise ValueError(f"not a packed quantized weight: {packed.dtype} {packed.shape}")
+    f = _format(packed)
     raw = jax.lax.bitcast_convert_type(packed, jnp.uint8) if f.bits == 8 else packed
     p, c = (ids // PANEL)[..., None, None], (ids % PANEL)[..., None, None]
     blocks = jnp.arange(packed.shape[-2])[:, None]                        # [nb, 1]

@@ -76,7 +76,6 @@ def packed_for_cpu(module: M) -> M:
     return nnx.merge(graphdef, state)
 
 
-
 def is_quantized(module: nnx.Module) -> bool:
     """Whether any parameter of `module` is a quantized weight (`quant.py`)."""
     return any(quant.is_quantized(a) for a in jax.tree.leaves(nnx.state(module)))

@@ -47,8 +47,6 @@ def as_float(raw: np.ndarray, qtype: str) -> np.ndarray:
 
 def _lib():
     lib = ctypes.CDLL(str(cpu_matmul.library_path()))
-    lib.specjax_matmul_run.argtypes = [ctypes.c_char_p] + [ctypes.c_void_p] * 3 + \
-        [ctypes.c_int64] * 3
     lib.specjax_matmul_run_quant.argtypes = [ctypes.c_char_p, ctypes.c_void_p, ctypes.c_void_p,
                                              ctypes.c_int, ctypes.c_int64, ctypes.c_void_p] + \
         [ctypes.c_int64] * 3
