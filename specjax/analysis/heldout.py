@@ -1,4 +1,4 @@
-"""Held-out chat and code prompts for measuring drafters on a chat model (`python -m
+"""Held-out chat, code and edit prompts for measuring drafters on a chat model (`python -m
 specjax.bench spec --model smollm2`). Written for the bench, in no training set:
 `python -m specjax.train data` drops any generated prompt sharing a 6-word run with one of them
 (`overlaps_heldout`), and its manifest records how many it dropped."""
@@ -50,6 +50,58 @@ CODE = (
     "Write a bash script that renames every .jpeg file in a folder to .jpg.",
 )
 
+# Edit-shaped requests: the answer rewrites text or code the prompt gives, so most of it is
+# already in the context (what prompt lookup, NGram and SA draft from).
+EDIT = (
+    "Rename the variable `total` to `running_sum` everywhere in this function and return the "
+    "whole function:\n\n```python\ndef average(values):\n    total = 0\n    for v in values:\n"
+    "        total += v\n    if not values:\n        return 0.0\n    return total / len(values)\n```",
+    "Add a type hint to every parameter and return value of this function, changing nothing "
+    "else:\n\n```python\ndef clamp(value, low, high):\n    if value < low:\n        return low\n"
+    "    if value > high:\n        return high\n    return value\n```",
+    "Fix the syntax errors in this JSON and print the corrected JSON:\n\n{\"name\": \"Ada\", "
+    "\"age\": 36, \"languages\": [\"English\", \"French\",], \"city\": \"London\" "
+    "\"active\": true}",
+    "Change the price of the kettle to 24.99 in this JSON and return the full JSON:\n\n"
+    "{\"items\": [{\"name\": \"kettle\", \"price\": 19.99, \"stock\": 4}, {\"name\": "
+    "\"toaster\", \"price\": 34.5, \"stock\": 2}, {\"name\": \"blender\", \"price\": 49.0, "
+    "\"stock\": 7}]}",
+    "Rewrite this paragraph with every occurrence of 'car' replaced by 'bicycle':\n\nMy car is "
+    "old but reliable. Every morning I drive the car to the station, park the car near the "
+    "bakery and take the train. On weekends the car takes us to the lake.",
+    "Correct the spelling mistakes in this text and return the corrected text:\n\nThe "
+    "comittee will recieve the final reprot on Wensday. Please make shure that every "
+    "departmant sends its numbres before the deadline.",
+    "Convert this list of names to a numbered list, one per line, keeping the order:\n\n"
+    "Maria Lopez, Tom Becker, Aiko Tanaka, Samuel Okafor, Priya Nair, Lucas Martin, Elena "
+    "Petrova, Omar Haddad",
+    "Rewrite this Python loop as a list comprehension and show the result:\n\n"
+    "```python\nsquares = []\nfor n in range(20):\n    if n % 3 == 0:\n"
+    "        squares.append(n * n)\n```",
+    "Rename the class `Rect` to `Rectangle` in this code and return all of it:\n\n```python\n"
+    "class Rect:\n    def __init__(self, width, height):\n        self.width = width\n"
+    "        self.height = height\n\n    def area(self):\n        return self.width * "
+    "self.height\n\n\nbox = Rect(3, 4)\nprint(box.area())\n```",
+    "Put this shopping list in alphabetical order, one item per line:\n\nmilk, eggs, "
+    "bread, apples, butter, cheese, rice, onions, carrots, yoghurt",
+    "Convert this CSV to a Markdown table:\n\ncity,country,population\nLyon,France,522000\n"
+    "Porto,Portugal,232000\nGraz,Austria,291000\nTurin,Italy,848000",
+    "Add a docstring to this function and return the whole function:\n\n```python\n"
+    "def word_lengths(sentence):\n    words = sentence.split()\n    return {w: len(w) for w in "
+    "words}\n```",
+    "Replace the print calls with logging.info calls in this code and return it:\n\n"
+    "```python\nimport logging\n\ndef load(path):\n    print('loading', path)\n"
+    "    with open(path) as f:\n        data = f.read()\n    print('read', len(data), 'bytes')\n"
+    "    return data\n```",
+    "Translate these three sentences into French, one per line:\n\nThe museum opens at nine. "
+    "Tickets are cheaper on Tuesdays. Children under six enter for free.",
+    "Make this email more polite without changing its content:\n\nSend me the invoice today. "
+    "You forgot it last week. I need it for the accounts, so do not be late again.",
+    "Rewrite this SQL query with the keywords in upper case and one clause per line:\n\n"
+    "select name, email from customers where country = 'Spain' and active = 1 order by name "
+    "limit 20",
+)
+
 SPAN = 6
 
 
@@ -62,11 +114,11 @@ def _spans(text: str) -> set[tuple[str, ...]]:
     return {tuple(words[i:i + SPAN]) for i in range(len(words) - SPAN + 1)}
 
 
-HELDOUT_SPANS = frozenset(s for text in CHAT + CODE for s in _spans(text))
+HELDOUT_SPANS = frozenset(s for text in CHAT + CODE + EDIT for s in _spans(text))
 
 
 def overlaps_heldout(text: str) -> bool:
     """Whether `text` shares a run of `SPAN` words with a held-out prompt (or is one)."""
-    if any(_words(text) == _words(p) for p in CHAT + CODE):
+    if any(_words(text) == _words(p) for p in CHAT + CODE + EDIT):
         return True
     return not HELDOUT_SPANS.isdisjoint(_spans(text))

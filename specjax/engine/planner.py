@@ -45,6 +45,8 @@ class GenerationPlanner:
         candidates = self.scheduler.generation_candidates()
         lengths, spec = self.lengths, self.speculation
         draft_len = lengths.choose(candidates) if candidates else 0
+        if draft_len and not self._worth_waiting(candidates):
+            draft_len = 0
         if (not runs_on_device(spec.worker, draft_len, spec.suffix)
                 or any(r.grammar is not None for r in candidates)):
             # A host drafter needs every token so far, and so does a grammar's next masks.
@@ -84,6 +86,24 @@ class GenerationPlanner:
             request.drafts_held = draft_len  # what this step drafts for the next (in-step)
             rows.append(GenerationRow(request, reserve, drafted, proposed=held))
         return rows, draft_len
+
+    def _worth_waiting(self, candidates: list[Request]) -> bool:
+        """Whether a host drafter's proposals are worth reading the step in flight first
+        (`Drafter.may_propose`, from the tokens read so far): where no row expects one, the
+        step runs plainly and keeps the overlap. Not asked with nothing in flight, while the
+        cost model explores (its step runs its length), nor for grammar rows (they wait
+        anyway)."""
+        drafter = self.speculation.drafter
+        if (drafter is None or self.executor.inflight is None or self.lengths.exploring
+                or any(r.grammar is not None for r in candidates)):
+            return True
+        for request in candidates:
+            try:
+                if drafter.may_propose(request.request_id, request.all_ids):
+                    return True
+            except Exception:
+                return True   # propose_for, after the wait, reports it against the request
+        return False
 
     def _drained(self, candidates: list[Request]) -> list[Request]:
         """The candidates still running once the unread step is read."""

@@ -35,7 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "the --model value is accepted too)")
     parser.add_argument("--speculative-config", default=None, help=speculative_config_help(
         "EAGLE-3 with the shipped head (bundled-eagle3) for the bundled model, rejection "
-        "sampling for sampled requests; none for other models"))
+        "sampling for sampled requests; NGram asking for evidence for smollm2; none for "
+        "other models"))
     parser.add_argument("--host", default="127.0.0.1",
                         help="address to bind (loopback only unless told otherwise)")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on")

@@ -210,7 +210,8 @@ def get_spec_drafter(config: SpeculativeConfig | None,
     if isinstance(config, NGramConfig):
         return NGramDrafter(config.max_draft_len, config.max_matching_ngram_size,
                             config.is_keep_all, config.is_use_oldest, config.is_public_pool,
-                            max_sequence_length)
+                            max_sequence_length, config.min_matching_ngram_size,
+                            config.min_followed_ratio)
     if isinstance(config, UserProvidedConfig):
         return config._instance
     raise NotImplementedError(f"no drafter for mode {config.mode.name}")

@@ -29,13 +29,23 @@ SHIPPED_FOR_MODEL = {
     "smollm2": {M.EAGLE3_ONE_MODEL: "smollm2-eagle3", M.DFLASH: "smollm2-dflash"},
 }
 # Per target name, the modes its default (and AUTO) tries in order, the first whose drafter
-# ships winning: the order `python -m specjax.bench spec` measured (fastest first; README.md's
-# tables give the figures). A target listed with no modes was measured and decodes fastest
-# plainly: its shipped drafters serve a config that names their mode, and its default and
-# AUTO do not speculate (SmolLM2: its EAGLE-3 head ran at 0.78x plain decoding on this
-# project's 2-core CPU; README.md, "Drafters for SmolLM2").
+# ships winning (NGram needs none: `EVIDENCE_NGRAM`): the order `python -m specjax.bench spec`
+# measured (fastest first; README.md's tables give the figures). A target listed with no
+# modes decodes fastest plainly: its default and AUTO do not speculate. SmolLM2: its EAGLE-3
+# head ran at 0.86x plain decoding on this project's 2-core CPU (the cost model held it at
+# D = 1), NGram asking for evidence at 0.96-1.0x on open chat and 1.2x on edits (README.md,
+# "Drafters for SmolLM2").
 DEFAULT_ORDER = {"bundled": (M.EAGLE3_ONE_MODEL, M.DRAFT_TARGET_ONE_MODEL),
-                 "smollm2": ()}
+                 "smollm2": (M.NGRAM,)}
+# NGram that proposes only on evidence: a suffix match of at least 2 tokens whose proposed
+# next token followed that pattern at least half the times it occurred. Chosen on answers
+# SmolLM2 wrote to the training prompts (not the bench's): of the rules tried, it made the
+# most tokens per unit of step cost on chat, code and edits alike (the reference's "any
+# match" lost on chat). A private pool per request: nothing of one request's text steers
+# another's drafts.
+EVIDENCE_NGRAM = NGramConfig(max_draft_len=4, max_matching_ngram_size=4, is_keep_all=True,
+                             is_use_oldest=True, is_public_pool=False,
+                             min_matching_ngram_size=2, min_followed_ratio=0.5)
 
 # One example per mode that --speculative-config takes by name (CLI help).
 EXAMPLES = {
@@ -76,10 +86,12 @@ def _mtp_modules(name: str) -> int:
 def default_speculative_config(model: str | os.PathLike) -> SpeculativeConfig | None:
     """The fastest mode shipped for `model` (`DEFAULT_ORDER`, as `python -m specjax.bench spec`
     measured it): for the bundled target EAGLE-3 with its trained head, else draft-target;
-    none for SmolLM2 (measured: plain decoding is faster) and other models. Sampled requests
-    use rejection sampling (the in-step drafters' default)."""
+    for SmolLM2 NGram asking for evidence (`EVIDENCE_NGRAM`); none for other models. Sampled
+    requests use rejection sampling (the in-step drafters' default)."""
     drafters = shipped_for(model)
     for mode in DEFAULT_ORDER.get(str(model), ()):
+        if mode is M.NGRAM:
+            return EVIDENCE_NGRAM
         if mode in drafters:
             return SpeculativeConfig.from_dict(_fill_shipped({"mode": mode.name.lower(),
                                                               "max_draft_len": 4}, model))
@@ -92,8 +104,8 @@ def resolve_auto(config: SpeculativeConfig | None, model: str | os.PathLike | No
     shipped for `model` (None: a model given as an instance, which ships none); None (plain
     decoding) for a target measured fastest without speculation (`DEFAULT_ORDER`); else the
     reference's NGram heuristic -- D = 5 and n-grams up to 3 for max_batch_size <= 4, D = 3
-    and n-grams up to 5 above; speculation off while more than `max_concurrency` requests run.
-    The choice is logged."""
+    and n-grams up to 5 above -- asking `EVIDENCE_NGRAM`'s evidence of a match; speculation
+    off while more than `max_concurrency` requests run. The choice is logged."""
     if not isinstance(config, AutoConfig):
         return config
     chosen = default_speculative_config(model) if model is not None else None
@@ -102,9 +114,8 @@ def resolve_auto(config: SpeculativeConfig | None, model: str | os.PathLike | No
         return None
     if chosen is None:
         small = max_batch_size <= 4
-        chosen = NGramConfig(max_draft_len=5 if small else 3,
-                             max_matching_ngram_size=3 if small else 5, is_keep_all=True,
-                             is_use_oldest=True, is_public_pool=True)
+        chosen = dataclasses.replace(EVIDENCE_NGRAM, max_draft_len=5 if small else 3,
+                                     max_matching_ngram_size=3 if small else 5)
     if max_batch_size > config.max_concurrency:
         chosen = dataclasses.replace(chosen, draft_len_schedule={
             1: chosen.max_draft_len, config.max_concurrency + 1: 0})
@@ -162,7 +173,8 @@ def _fill_shipped(data: dict, model: str | os.PathLike) -> dict:
 
 def parse_speculative_config(value: str | None,
                              model: str | os.PathLike) -> SpeculativeConfig | None:
-    """--speculative-config: unset -> the default for `model`; "none" -> off; a mode name
+    """--speculative-config: unset or "default" -> the default for `model`; "none" -> off; a
+    mode name
     ("ngram", "eagle3", "draft_target", "mtp", ...: that mode's defaults); JSON
     (`SpeculativeConfig.to_json()`'s format, "mode" an integer or a name) or a file holding it.
     For a target with shipped drafters, a config naming no drafter gets the shipped one."""
@@ -171,6 +183,8 @@ def parse_speculative_config(value: str | None,
     text = value.strip()
     if text.lower() == "none":
         return None
+    if text.lower() == "default":
+        return default_speculative_config(model)
     if text.lower().replace("-", "_") in MODE_NAMES or text.isdigit():
         data = {"mode": text}
     else:
@@ -196,6 +210,7 @@ def speculative_config_help(default: str) -> str:
     """The --speculative-config help every CLI shows: the forms it takes and one example
     per mode."""
     examples = "; ".join(f"{name}: '{example}'" for name, example in EXAMPLES.items())
-    return (f"'none', a mode name ({', '.join(EXAMPLES)}, ... -- that mode's defaults, with "
+    return (f"'none', 'default' (the model's), a mode name ({', '.join(EXAMPLES)}, ... -- "
+            f"that mode's defaults, with "
             f"the shipped drafter for the bundled model or smollm2), JSON with \"mode\" as a name or "
             f"integer, or a file holding it (default: {default}). Examples: {examples}")

@@ -12,8 +12,9 @@ The rules, in order (`choose`):
   `explore_every` steps, for `explore_steps` steps, the length whose real cost was observed
   longest ago instead (`CostTable.stalest`), so no length's cost or acceptance estimate goes
   stale -- a request whose text turned repetitive, sampled rows that cost more than the warm-up's
-  empty batches. A step's cost is observed only after a step of the same shape (`observe`):
-  several in a row;
+  empty batches. A step's cost is observed only in the steady state (`observe`): after
+  `STEADY_AFTER` reads of its shape in a row, since the first intervals after a switch carry
+  the other shape's work (on a CPU, host and steps share the cores);
 - a host drafter's second look (`choose(..., caps, longest)`): its proposals are known, so
   the cost model counts only the drafts each row has;
 - at least what a row's grammar forces (`forced_len`), whatever was chosen.
@@ -32,8 +33,13 @@ from specjax.speculative.build import Speculation
 from specjax.speculative.cost_model import AcceptanceModel, candidate_lengths, choose_draft_len
 from specjax.speculative.schedule import SpeculationGate
 
-EXPLORE_EVERY = 128
-EXPLORE_STEPS = 3
+EXPLORE_EVERY = 256
+EXPLORE_STEPS = 8
+# Reads of one generation shape in a row before its intervals count as its cost: under the
+# overlap scheduler the first intervals after a switch still hold the other shape's step or
+# its host work, which on a 2-core CPU made short explorations choose lengths 15-30% slower
+# than the best fixed one (issue 45). An exploration runs long enough to leave steady ones.
+STEADY_AFTER = 3
 
 
 class DraftLengthPolicy:
@@ -64,6 +70,7 @@ class DraftLengthPolicy:
         self._current: int | None = None   # the cost model's last choice (not exploring)
         self._explored = False   # the last choice was an exploration
         self._last_read: tuple[float, int, tuple[int, int]] | None = None  # time, id, shape
+        self._run = 0   # reads of the last read's shape in a row
         self._prefill_since_read = False
 
     def fixed_len(self, batch_size: int) -> int:
@@ -129,7 +136,7 @@ class DraftLengthPolicy:
         if 0 not in costs or len(costs) < 2:
             return fixed
         if longest is not None:  # a host drafter's second look: its proposals are known
-            if self._explored:   # an exploring step runs the length it explores
+            if self.exploring:   # an exploring step runs the length it explores
                 return longest
             return choose_draft_len(self._survival(requests), costs, caps)
         explored = self._explore(len(requests), costs)
@@ -165,6 +172,11 @@ class DraftLengthPolicy:
         self._explored = False
         return None
 
+    @property
+    def exploring(self) -> bool:
+        """The last choice was an exploration (it runs its length, drafts or not)."""
+        return self._explored
+
     def forced_len(self, requests: Sequence) -> int:
         """The most tokens a row's grammar forces next (capped at the longest chain), where
         the cost model chooses lengths: the step verifies them whatever it chose, since they
@@ -196,8 +208,11 @@ class DraftLengthPolicy:
         if (last is None or self._prefill_since_read or step_id != last[1] + 1
                 or shape != last[2]):  # on a CPU, host and steps share the cores: a step
             self._prefill_since_read = False  # after another shape times a mix of both
+            self._run = 1
             return
-        self.costs.observe(*shape, now - last[0])
+        self._run += 1
+        if self._run >= STEADY_AFTER:
+            self.costs.observe(*shape, now - last[0])
 
     def forget(self, request_id: int) -> None:
         """A request finished: drop its acceptance estimates."""

@@ -5,6 +5,9 @@ is downloaded. Three sources, each deterministic:
   docstrings (the installed interpreter's modules: the API's name and its summary line);
 - "topics": fixed question forms over a topic list (everyday, science, work, writing, code);
 - "code": programming tasks in several languages (general tasks, SQL queries, shell scripts);
+- "edits": rewrites of text and code the prompt gives -- the standard library's own short
+  functions (rename, annotate, document, port) and docstring paragraphs (correct, simplify,
+  translate into several languages): answers that copy much of their context;
 - "self-instruct": the target is asked to write a question, a request for help or a programming
   task about a topic; what it writes is then answered like any other prompt
   (`question_requests` / `question_from_answer`).
@@ -136,6 +139,71 @@ SHELL_TASKS = (
 SHELL_FORMS = ("Write a bash script that {task}.", "How do I write a shell command that {task}?")
 
 
+CODE_EDIT_FORMS = (
+    "Rename the function `{name}` to `{new}` and return the whole code:\n\n```python\n{code}```",
+    "Annotate the parameters and result of this function with type hints; keep the rest as "
+    "it is:\n\n```python\n{code}```",
+    "Add a comment above each non-trivial line of this function:\n\n```python\n{code}```",
+    "Rewrite this Python function in {language}, keeping its names:\n\n```python\n{code}```",
+    "Find any bug in this function, then return the corrected function:\n\n```python\n{code}```",
+)
+TEXT_EDIT_FORMS = (
+    "Correct the grammar of this paragraph and return it:\n\n{text}",
+    "Rewrite this paragraph in simpler words for a beginner:\n\n{text}",
+    "Translate this paragraph into {human}:\n\n{text}",
+    "Turn this paragraph into a bulleted list of its points:\n\n{text}",
+)
+HUMAN_LANGUAGES = ("French", "German", "Spanish", "Italian", "Portuguese", "Dutch")
+
+
+def _stdlib_members():
+    """(module name, module, attribute name, object) of the public names of `STDLIB_MODULES`
+    that import here, in a fixed order (warnings of deprecated modules silenced)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for name in STDLIB_MODULES:
+            try:
+                module = importlib.import_module(name)
+            except ImportError:
+                continue
+            for attr in sorted(vars(module)):
+                if not attr.startswith("_"):
+                    yield name, module, attr, getattr(module, attr)
+
+
+def stdlib_snippets(max_lines: int = 24) -> tuple[list[tuple[str, str]], list[str]]:
+    """(name, source) of the short pure-Python functions of `STDLIB_MODULES` (3 to `max_lines`
+    lines) and their docstrings' longer paragraphs, in a fixed order."""
+    functions, paragraphs = [], []
+    for _, module, attr, obj in _stdlib_members():
+        if not inspect.isfunction(obj) or obj.__module__ != module.__name__:
+            continue
+        try:
+            code = inspect.getsource(obj)
+        except (OSError, TypeError):
+            continue
+        if 3 <= code.count("\n") <= max_lines and not code.startswith((" ", "@")):
+            functions.append((attr, code))
+        doc = inspect.getdoc(obj) or ""
+        paragraphs += [p.replace("\n", " ") for p in doc.split("\n\n")
+                       if 200 <= len(p) <= 700 and ">>>" not in p]
+    # Functions re-exported under two names and docstrings shared by several: once each.
+    return list(dict((code, (name, code)) for name, code in functions).values()), \
+        list(dict.fromkeys(paragraphs))
+
+
+def edit_prompts(rng: random.Random) -> list[str]:
+    """Rewrites of the standard library's short functions and docstring paragraphs, a form
+    (and target language) picked per snippet."""
+    functions, paragraphs = stdlib_snippets()
+    prompts = [rng.choice(CODE_EDIT_FORMS).format(
+        name=name, new=f"{name}_v2", code=code, language=rng.choice(LANGUAGES[1:]))
+        for name, code in functions]
+    prompts += [rng.choice(TEXT_EDIT_FORMS).format(text=text, human=rng.choice(HUMAN_LANGUAGES))
+                for text in paragraphs]
+    return prompts
+
+
 def _summary(obj) -> str | None:
     doc = inspect.getdoc(obj)
     if not doc:
@@ -151,23 +219,14 @@ def stdlib_apis() -> list[tuple[str, str]]:
     """(qualified name, docstring summary) of the public functions and classes of
     `STDLIB_MODULES` that have one, in a fixed order."""
     apis = []
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        for name in STDLIB_MODULES:
-            try:
-                module = importlib.import_module(name)
-            except ImportError:
-                continue
-            for attr in sorted(vars(module)):
-                obj = getattr(module, attr)
-                if attr.startswith("_") or not (inspect.isfunction(obj) or inspect.isclass(obj)
-                                                or inspect.isbuiltin(obj)):
-                    continue
-                if (getattr(obj, "__module__", None) or name).lstrip("_").split(".")[0] != \
-                        name.split(".")[0]:
-                    continue  # re-exported from another module
-                if (summary := _summary(obj)) is not None:
-                    apis.append((f"{name}.{attr}", summary))
+    for name, _, attr, obj in _stdlib_members():
+        if not (inspect.isfunction(obj) or inspect.isclass(obj) or inspect.isbuiltin(obj)):
+            continue
+        if (getattr(obj, "__module__", None) or name).lstrip("_").split(".")[0] != \
+                name.split(".")[0]:
+            continue  # re-exported from another module
+        if (summary := _summary(obj)) is not None:
+            apis.append((f"{name}.{attr}", summary))
     return apis
 
 
@@ -184,6 +243,7 @@ def make_prompts(seed: int = 0) -> list[tuple[str, str]]:
                 for task in PROGRAM_TASKS for language in LANGUAGES]
     prompts += [("code", form.format(task=task)) for task in SQL_TASKS for form in SQL_FORMS]
     prompts += [("code", form.format(task=task)) for task in SHELL_TASKS for form in SHELL_FORMS]
+    prompts += [("edits", text) for text in edit_prompts(rng)]
     rng.shuffle(prompts)
     return prompts
 

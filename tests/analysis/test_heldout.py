@@ -1,10 +1,11 @@
 """The bench's held-out prompts stay out of the self-distillation data."""
-from specjax.analysis.heldout import CHAT, CODE, overlaps_heldout
-from specjax.train.prompts import LANGUAGES, make_prompts, question_from_answer
+from specjax.analysis.heldout import CHAT, CODE, EDIT, overlaps_heldout
+from specjax.train.prompts import (HUMAN_LANGUAGES, LANGUAGES, make_prompts,
+                                   question_from_answer)
 
 
 def test_every_heldout_prompt_and_any_text_quoting_six_of_its_words_is_caught():
-    for prompt in CHAT + CODE:
+    for prompt in CHAT + CODE + EDIT:
         assert overlaps_heldout(prompt)
         words = prompt.split()
         if len(words) >= 7:
@@ -17,7 +18,12 @@ def test_every_heldout_prompt_and_any_text_quoting_six_of_its_words_is_caught():
 def test_made_prompts_are_deterministic_cover_every_source_and_avoid_the_bench():
     a, b = make_prompts(0), make_prompts(0)
     assert a == b and a != make_prompts(1)
-    assert {s for s, _ in a} == {"stdlib", "topics", "code"}
+    assert {s for s, _ in a} == {"stdlib", "topics", "code", "edits"}
+    # Edits quote what they rewrite: standard-library functions and docstring paragraphs,
+    # some to be translated.
+    edits = [t for s, t in a if s == "edits"]
+    assert sum("```python\ndef " in t for t in edits) > 100
+    assert any(f"into {lang}:" in t for t in edits for lang in HUMAN_LANGUAGES)
     code = [t for s, t in a if s == "code"]
     assert any("SQL" in t for t in code) and any("bash" in t for t in code)
     assert len({lang for lang in LANGUAGES if any(f" {lang} " in t for t in code)}) == \

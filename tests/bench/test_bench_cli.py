@@ -184,8 +184,9 @@ def test_prompt_categories():
         spec.categories_to_run(0, "humaneval")
     assert spec.prompt_sets(0, "code") == {"code": spec.PROMPTS["code"]}
     # A chat model is asked the held-out requests instead (never in its drafters' data).
-    assert spec.categories_to_run(0, chat=True) == ["chat", "code"]
+    assert spec.categories_to_run(0, chat=True) == ["chat", "code", "edit"]
     assert spec.prompt_sets(0, "code", chat=True) == {"code": list(heldout.CODE)}
+    assert spec.prompt_sets(0, "edit", chat=True) == {"edit": list(heldout.EDIT)}
 
 
 # --- tables and legends ------------------------------------------------------------------
@@ -417,3 +418,12 @@ def test_xla_times_each_candidate_in_its_child_and_checks_its_greedy_output(caps
     rows = [l for l in out.splitlines() if l.startswith(("(defaults)", "--xla_cpu"))]
     assert len(rows) == 2 and all(r.endswith("same") for r in rows), out
     assert re.search(r"^unrolled\s+\d", out, re.M), out
+
+
+def test_spec_runs_the_models_default_first_and_labels_it():
+    configs = spec.default_configs(4, "smollm2")
+    from specjax.speculative.defaults import EVIDENCE_NGRAM
+    assert configs[0] == EVIDENCE_NGRAM
+    assert spec.label_of(configs[0], "smollm2") == (
+        "default: ngram D=4 evidence (match >= 2, followed >= 0.5)")
+    assert spec.label_of(configs[1], "smollm2") == "ngram D=4"   # the reference's NGram

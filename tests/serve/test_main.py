@@ -35,6 +35,8 @@ def test_default_speculation_is_eagle3_for_the_bundled_model(tmp_path):
     assert default_speculative_config(tmp_path) is None
     assert parse_speculative_config(None, "bundled") == spec
     assert parse_speculative_config("none", "bundled") is None
+    assert parse_speculative_config("default", "bundled") == spec
+    assert parse_speculative_config("default", tmp_path) is None   # no default: plain
 
 
 def test_speculative_config_from_json_or_file(tmp_path):

@@ -24,11 +24,17 @@ def checkpoints(tmp_path, monkeypatch):
 
 
 def test_smollm2_reads_its_own_eagle3_head_and_dflash_drafter(checkpoints, monkeypatch):
-    assert default_speculative_config("smollm2") is None  # nothing shipped yet
+    # Measured: NGram asking for evidence is SmolLM2's fastest, and needs nothing shipped;
+    # its default and AUTO take it, while a config naming a mode reads the shipped drafter.
+    assert default_speculative_config("smollm2") == defaults.EVIDENCE_NGRAM
     checkpoints("smollm2-dflash")
     checkpoints("smollm2-eagle3")
-    # Measured: plain decoding is SmolLM2's fastest, so its default and AUTO do not speculate,
-    # while a config naming a mode reads the shipped drafter.
+    assert default_speculative_config("smollm2") == defaults.EVIDENCE_NGRAM
+    assert resolve_auto(AutoConfig(), "smollm2", 4) == defaults.EVIDENCE_NGRAM
+    assert (defaults.EVIDENCE_NGRAM.min_matching_ngram_size,
+            defaults.EVIDENCE_NGRAM.min_followed_ratio) == (2, 0.5)
+    # A target measured fastest plainly lists no modes: its default and AUTO do not speculate.
+    monkeypatch.setitem(defaults.DEFAULT_ORDER, "smollm2", ())
     assert default_speculative_config("smollm2") is None
     assert resolve_auto(AutoConfig(), "smollm2", 4) is None
     assert with_shipped_drafter(EagleConfig(max_draft_len=3), "smollm2").speculative_model \
@@ -40,7 +46,8 @@ def test_smollm2_reads_its_own_eagle3_head_and_dflash_drafter(checkpoints, monke
     assert default_speculative_config("smollm2") == EagleConfig(
         max_draft_len=4, speculative_model="smollm2-eagle3")
     assert resolve_auto(AutoConfig(), "smollm2", 4).speculative_model == "smollm2-eagle3"
-    assert isinstance(resolve_auto(AutoConfig(), "/some/file.gguf", 4), NGramConfig)
+    other = resolve_auto(AutoConfig(), "/some/file.gguf", 4)
+    assert isinstance(other, NGramConfig) and other.min_matching_ngram_size == 2
     assert [type(c) for c in shipped_configs(4, "smollm2")] == [NGramConfig, EagleConfig,
                                                                 DFlashConfig]
     # The bundled target's drafters are not SmolLM2's.
@@ -54,4 +61,4 @@ def test_the_bundled_target_keeps_its_drafters(checkpoints):
     assert default_speculative_config("bundled").speculative_model == "bundled-eagle3"
     mtp = [c for c in shipped_configs(4) if isinstance(c, MTPConfig)][0]
     assert (mtp.max_draft_len, mtp.num_nextn_predict_layers, mtp.use_mtp_vanilla) == (2, 2, True)
-    assert default_speculative_config("smollm2") is None
+    assert default_speculative_config("smollm2") == defaults.EVIDENCE_NGRAM

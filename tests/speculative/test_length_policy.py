@@ -94,14 +94,29 @@ def test_shapes_cover_every_length_it_can_choose_first_needs_first():
     assert fixed.shapes(BUCKETS, 4) == [(1, 5), (4, 5), (4, 1)]
 
 
-def test_observed_costs_need_two_reads_of_one_shape_in_a_row():
+def test_observed_costs_come_from_the_steady_state_of_one_shape():
+    """An interval counts only from the STEADY_AFTER-th read of its shape in a row (the
+    first after a switch still carry the other shape's work), with no prompt chunk between
+    and no step skipped."""
+    from specjax.speculative.length_policy import STEADY_AFTER
     p = priced(policy(), lambda d: 1.0)
     seen = []
     p.costs.observe = lambda *args: seen.append(args[:2])
-    p.observe(2, D, step_id=0)
-    p.observe(2, D, step_id=1)      # timed: the same shape right after
+    step = 0
+    for _ in range(STEADY_AFTER + 1):   # STEADY_AFTER + 1 reads: two timed intervals
+        p.observe(2, D, step_id=step)
+        step += 1
+    assert seen == [(4, D + 1)] * 2
     p.prefill_ran()
-    p.observe(2, D, step_id=2)      # a prompt chunk ran between: not timed
-    p.observe(2, 0, step_id=3)      # another shape: not timed
-    p.observe(2, 0, step_id=5)      # not the next step: not timed
-    assert seen == [(4, D + 1)]
+    p.observe(2, D, step_id=step)   # a prompt chunk ran between: the run starts again
+    for _ in range(STEADY_AFTER - 2):
+        step += 1
+        p.observe(2, D, step_id=step)
+    assert len(seen) == 2
+    step += 1
+    p.observe(2, D, step_id=step)   # steady again
+    assert seen == [(4, D + 1)] * 3
+    p.observe(2, 0, step_id=step + 1)   # another shape: the run starts again
+    p.observe(2, 0, step_id=step + 3)   # not the next step: again
+    p.observe(2, 0, step_id=step + 4)
+    assert len(seen) == 3

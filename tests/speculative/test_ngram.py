@@ -70,3 +70,61 @@ def test_keep_all_off_replaces_with_a_longer_continuation():
     assert list(d.pool(0)[(1,)]) == [(2,)]
     d.propose_for(0, [1, 2, 3], 3)
     assert list(d.pool(0)[(1,)]) == [(2, 3)]
+
+
+def test_evidence_off_is_the_reference():
+    """The defaults ask no evidence: a single earlier occurrence of a 1-token pattern proposes."""
+    d = NGramDrafter(max_draft_len=2, max_matching_ngram_size=3)
+    assert (d.min_matching_ngram_size, d.min_followed_ratio) == (1, 0.0)
+    assert d.propose_for(0, [7, 1, 2, 9, 1], 2) == [2, 9]
+
+
+def test_no_proposal_from_a_match_shorter_than_asked():
+    d = NGramDrafter(max_draft_len=2, max_matching_ngram_size=3, min_matching_ngram_size=2,
+                     is_public_pool=False)
+    assert d.propose_for(0, [7, 1, 2, 9, 1], 2) == []          # only (1,) matches
+    assert d.last_match[0] == 1
+    assert d.propose_for(1, [7, 1, 2, 9, 7, 1], 2) == [2, 9]   # (7, 1) matches
+    assert d.last_match[0] == 2
+
+
+def test_followed_ratio_counts_each_position_once():
+    # (5,) was followed by 6 once, then by 8 twice: the oldest continuation (6, ...) has
+    # 1 of 3 occurrences behind it.
+    tokens = [5, 6, 5, 8, 5, 8, 5]
+    strict = NGramDrafter(max_draft_len=2, max_matching_ngram_size=1, is_public_pool=False,
+                          min_followed_ratio=0.5)
+    loose = NGramDrafter(max_draft_len=2, max_matching_ngram_size=1, is_public_pool=False,
+                         min_followed_ratio=0.3)
+    assert strict.propose_for(0, tokens, 2) == []
+    assert strict.last_match == (1, 1, 3)
+    assert loose.propose_for(0, tokens, 2) == [6, 5]
+    # Asked again as the sequence grows one token at a time, each position is counted once:
+    # the counts equal a fresh drafter's over the whole sequence.
+    grown = NGramDrafter(max_draft_len=2, max_matching_ngram_size=2, is_public_pool=False,
+                         min_followed_ratio=0.5)
+    fresh = NGramDrafter(max_draft_len=2, max_matching_ngram_size=2, is_public_pool=False,
+                         min_followed_ratio=0.5)
+    seq = [3, 4, 3, 4, 5, 3, 4, 3, 9, 3, 4]
+    for n in range(1, len(seq) + 1):
+        grown.propose_for(0, seq[:n], 2)
+    fresh.propose_for(0, seq, 2)
+    assert grown._counts[0] == fresh._counts[0]
+    assert grown._counts[0][(3,)] == {4: 4, 9: 1}
+    grown.on_request_finished(0)
+    assert 0 not in grown._counts and 0 not in grown._counted
+
+
+def test_evidence_config_is_checked_and_reaches_the_drafter():
+    import pytest
+    from specjax.speculative.build import get_spec_drafter
+    from specjax.speculative.config import NGramConfig
+    config = NGramConfig(max_draft_len=4, max_matching_ngram_size=4, min_matching_ngram_size=2,
+                         min_followed_ratio=0.5)
+    d = get_spec_drafter(config)
+    assert (d.min_matching_ngram_size, d.min_followed_ratio) == (2, 0.5)
+    assert NGramConfig.from_dict(config.to_dict()) == config
+    with pytest.raises(ValueError, match="min_matching_ngram_size .*at most"):
+        NGramConfig(max_matching_ngram_size=2, min_matching_ngram_size=3)
+    with pytest.raises(ValueError, match="min_followed_ratio"):
+        NGramConfig(min_followed_ratio=1.5)

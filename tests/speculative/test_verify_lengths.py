@@ -115,6 +115,45 @@ def test_rows_without_proposals_run_plain_steps(frozen):
     assert sum(llm.stats.draft_len_histogram[1:]) == 0, llm.stats.draft_len_histogram
 
 
+class Counting(Drafter):
+    """Never proposes anything; counts its proposals and the pre-checks, which answer
+    `expects` whatever the tokens."""
+
+    def __init__(self, expects: bool):
+        self.expects, self.asked, self.proposed = expects, 0, 0
+
+    def propose(self, token_ids, max_draft_len):
+        self.proposed += 1
+        return []
+
+    def may_propose(self, request_id, token_ids):
+        self.asked += 1
+        return self.expects
+
+
+def test_a_step_waits_for_proposals_only_where_a_row_expects_one(frozen, plain_outputs):
+    """While a plain step is in flight the planner asks `may_propose`; where no row says yes
+    it dispatches the next plain step at once (no proposal: the overlap kept), where one does
+    it reads the step in flight first and asks for proposals. Output is plain decoding's."""
+    runs = {}
+    for expects in (False, True):
+        drafter = Counting(expects)
+        llm = _llm(UserProvidedConfig(max_draft_len=4, drafter=drafter))
+        set_costs(llm, lambda d: 1.0)      # drafting would be free: the policy wants drafts
+        explore(llm, every=10**9)
+        outs = llm.generate(PROMPTS, GREEDY)
+        assert [o.token_ids for o in outs] == plain_outputs
+        histogram = llm.stats.draft_len_histogram
+        assert sum(histogram[1:]) == 0, histogram
+        runs[expects] = drafter, sum(histogram)
+        assert llm.engine.allocator.num_free_blocks == llm.engine.allocator.total_blocks
+    (no, steps_no), (yes, steps_yes) = runs[False], runs[True]
+    # Told no: asked at nearly every step, proposing only where nothing was in flight.
+    assert no.asked > steps_no // 2 and no.proposed < steps_no // 4, (no.asked, no.proposed)
+    # Told yes: every step waits and proposes for each of its rows.
+    assert yes.proposed >= steps_yes, (yes.proposed, steps_yes)
+
+
 def test_a_named_seed_keeps_its_text_so_its_steps_verify_the_configured_length(frozen):
     """Under rejection sampling a chain's draws depend on where chains start: a sampled
     request that names its seed must give the same text every time, so steps holding one run

@@ -157,6 +157,20 @@ def test_cli_data_then_eagle3_from_its_hidden_states(target_folder, tmp_path):
                  "--max-seconds", "0"]) == 0
     manifest = json.loads((spent / "manifest.json").read_text())
     assert manifest["answers"] == 0 and manifest["prompts"] == 0 and manifest["prompts_made"] == 5
+    # --resume continues it with the same settings (other ones are refused before loading):
+    # the answers not yet written, into new files, the manifest counting both sessions.
+    with pytest.raises(SystemExit, match="max_tokens"):
+        main(["data", "--target", str(folder), "--out", str(spent), "--limit", "5",
+              "--self-instruct", "0", "--max-tokens", "7", "--resume"])
+    with pytest.raises(SystemExit, match="already holds files"):
+        main(["data", "--target", str(folder), "--out", str(data), "--limit", "5"])
+    assert main(["data", "--target", str(folder), "--out", str(spent), "--limit", "5",
+                 "--self-instruct", "0", "--max-tokens", "6", "--batch-size", "4",
+                 "--resume"]) == 0
+    manifest = json.loads((spent / "manifest.json").read_text())
+    assert (manifest["sessions"], manifest["answers"], manifest["prompts"]) == (2, 5, 5)
+    assert all(f.startswith("part001_") for f in manifest["files"])
+    assert len(read_hidden_states(spent / "hidden")[1]) == 5
     out = tmp_path / "eagle3"
     assert main(["eagle3", "--target", str(folder), "--out", str(out), "--hidden-states",
                  str(data / "hidden"), "--draft-vocab", "100", "--save-dtype", "bfloat16",

@@ -15,10 +15,18 @@ from specjax.speculative.modes import SpeculativeDecodingMode
 
 @dataclasses.dataclass(frozen=True)
 class NGramConfig(SpeculativeConfig):
+    """TensorRT-LLM's NGram drafter, plus evidence it may ask of a match before proposing
+    (`specjax.speculative.drafters.NGramDrafter`): `min_matching_ngram_size`, the shortest
+    matched suffix that proposes, and `min_followed_ratio`, the least share of the matched
+    pattern's earlier occurrences that the proposal's first token followed (the defaults,
+    1 and 0, are the reference's: any match proposes)."""
+
     max_matching_ngram_size: int = 2
     is_keep_all: bool = True
     is_use_oldest: bool = True
     is_public_pool: bool = True
+    min_matching_ngram_size: int = 1
+    min_followed_ratio: float = 0.0
 
     mode: ClassVar[SpeculativeDecodingMode] = SpeculativeDecodingMode.NGRAM
 
@@ -28,6 +36,13 @@ class NGramConfig(SpeculativeConfig):
         for name in ("is_keep_all", "is_use_oldest", "is_public_pool"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool")
+        positive_int("min_matching_ngram_size", self.min_matching_ngram_size)
+        if self.min_matching_ngram_size > self.max_matching_ngram_size:
+            raise ValueError(f"min_matching_ngram_size ({self.min_matching_ngram_size}) must be "
+                             f"at most max_matching_ngram_size ({self.max_matching_ngram_size})")
+        r = self.min_followed_ratio
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0.0 <= r <= 1.0:
+            raise ValueError(f"min_followed_ratio must be a number in [0, 1], got {r!r}")
 
 
 @dataclasses.dataclass(frozen=True)
