@@ -128,3 +128,13 @@ def test_evidence_config_is_checked_and_reaches_the_drafter():
         NGramConfig(max_matching_ngram_size=2, min_matching_ngram_size=3)
     with pytest.raises(ValueError, match="min_followed_ratio"):
         NGramConfig(min_followed_ratio=1.5)
+
+
+def test_repeated_ad_hoc_calls_do_not_inflate_the_public_counts():
+    """`propose` (no request id) indexes its whole sequence each call; its follower counts stay
+    its own, so asking twice gives the same answer as asking once."""
+    d = NGramDrafter(max_draft_len=2, max_matching_ngram_size=1, min_followed_ratio=0.5)
+    tokens = [5, 6, 5, 8, 5, 8, 5, 6, 5]   # (5,) -> 6 twice, 8 twice: the oldest, 6, has half
+    assert d.propose(tokens, 2) == [6, 5]
+    assert d.propose(tokens, 2) == [6, 5]
+    assert d._public_counts == {} and d._counts == {}

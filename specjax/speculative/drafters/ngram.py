@@ -6,6 +6,9 @@ from typing import Sequence
 from specjax.speculative.drafters.base import Drafter
 
 
+AD_HOC = -1   # the request id of `propose` calls, which name none
+
+
 class NGramDrafter(Drafter):
     """TensorRT-LLM's n-gram pool: continuations seen after each recent pattern of 1..M tokens.
 
@@ -49,9 +52,11 @@ class NGramDrafter(Drafter):
 
     def propose(self, token_ids: Sequence[int], max_draft_len: int) -> list[int]:
         # Without a request id nothing remembers what was indexed: each call indexes the whole
-        # sequence again (into the shared pool with is_public_pool). `propose_for` is linear.
-        proposal = self.propose_for(-1, token_ids, max_draft_len)
-        self.on_request_finished(-1)
+        # sequence again (into the shared pool with is_public_pool; its follower counts stay
+        # the call's own, since counting the same positions again would inflate them).
+        # `propose_for` is linear.
+        proposal = self.propose_for(AD_HOC, token_ids, max_draft_len)
+        self.on_request_finished(AD_HOC)
         return proposal
 
     def propose_for(self, request_id: int, token_ids: Sequence[int], max_draft_len: int) -> list[int]:
@@ -98,7 +103,7 @@ class NGramDrafter(Drafter):
     def _count(self, request_id: int, tokens: list[int]) -> dict:
         """The follower counts, updated with this request's tokens not counted yet (only
         kept when evidence is asked for: the reference's pool has no counts)."""
-        counts = (self._public_counts if self.is_public_pool
+        counts = (self._public_counts if self.is_public_pool and request_id != AD_HOC
                   else self._counts.setdefault(request_id, {}))
         if self.min_followed_ratio <= 0:
             return counts
