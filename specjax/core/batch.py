@@ -192,10 +192,24 @@ def set_row(batch: StepBatch, row: int, *, run: Sequence[int], start_pos: int,
     `spare_slot` of `empty_batch` must be the state's spare (`state.slots.spare`).
     `logit_bias`: (token id, bias) pairs added to the row's logits; `logprobs` /
     `prompt_logprobs`: whether the step computes log-probabilities for the row; the
-    penalties as in `specjax.core.penalties`."""
-    batch.tokens[row, :len(run)] = run
-    batch.start_pos[row] = start_pos
-    batch.query_lens[row] = len(run)
+    penalties as in `specjax.core.penalties`. (`set_request` + `set_run`.)"""
+    set_request(batch, row, blocks=blocks, slot=slot, max_len=max_len, seed=seed,
+                temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                logit_bias=logit_bias, logprobs=logprobs, repetition_penalty=repetition_penalty,
+                frequency_penalty=frequency_penalty, presence_penalty=presence_penalty)
+    set_run(batch, row, run=run, start_pos=start_pos, next_token=next_token,
+            prompt_logprobs=prompt_logprobs)
+
+
+def set_request(batch: StepBatch, row: int, *, blocks: Sequence[int], slot: int, max_len: int,
+                seed: int = 0, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                min_p: float = 0.0, logit_bias: Sequence[tuple[int, float]] = (),
+                logprobs: bool = False, repetition_penalty: float = 1.0,
+                frequency_penalty: float = 0.0, presence_penalty: float = 0.0) -> None:
+    """The part of `set_row` a request fixes for many steps: its blocks, slot, length limit
+    and sampling (`REQUEST_FIELDS`). A host loop may keep these in a table of one row per
+    slot and gather a step's rows from it (`gather_rows`)."""
+    batch.block_tables[row] = NULL_BLOCK
     batch.block_tables[row, :len(blocks)] = blocks
     batch.temperature[row] = temperature
     batch.top_k[row] = top_k
@@ -204,7 +218,6 @@ def set_row(batch: StepBatch, row: int, *, run: Sequence[int], start_pos: int,
     batch.seeds[row] = seed
     batch.slots[row] = slot
     batch.max_lens[row] = max_len
-    batch.next_tokens[row] = next_token
     batch.bias_ids[row] = -1
     batch.bias_values[row] = 0
     if logit_bias:
@@ -212,10 +225,35 @@ def set_row(batch: StepBatch, row: int, *, run: Sequence[int], start_pos: int,
         batch.bias_ids[row, :len(ids)] = ids
         batch.bias_values[row, :len(ids)] = values
     batch.logprobs[row] = logprobs
-    batch.prompt_logprobs[row] = prompt_logprobs
     batch.repetition_penalty[row] = repetition_penalty
     batch.frequency_penalty[row] = frequency_penalty
     batch.presence_penalty[row] = presence_penalty
+
+
+def set_run(batch: StepBatch, row: int, *, run: Sequence[int], start_pos: int,
+            next_token: int = -1, prompt_logprobs: bool = False) -> None:
+    """The part of `set_row` that changes every step: the row's run and where it starts."""
+    batch.tokens[row, :len(run)] = run
+    batch.start_pos[row] = start_pos
+    batch.query_lens[row] = len(run)
+    batch.next_tokens[row] = next_token
+    batch.prompt_logprobs[row] = prompt_logprobs
+
+
+# What `set_request` writes: the fields `gather_rows` takes from a table of requests' rows.
+REQUEST_FIELDS = ("block_tables", "temperature", "top_k", "top_p", "min_p", "seeds", "slots",
+                  "max_lens", "bias_ids", "bias_values", "logprobs", "repetition_penalty",
+                  "frequency_penalty", "presence_penalty")
+
+
+def gather_rows(table: StepBatch, rows: np.ndarray, width: int,
+                mask_shape: tuple[int, int] | None = None) -> StepBatch:
+    """A batch whose row i has `REQUEST_FIELDS` of `table`'s row `rows[i]` (an `empty_batch`
+    written by `set_request`; a row never written holds padding) and an empty run, for
+    `set_run` to fill: one gather per field instead of a write per row and field."""
+    n = len(rows)
+    batch = empty_batch(n, width, 0, 0, mask_shape)
+    return batch.replace(**{f: getattr(table, f)[rows] for f in REQUEST_FIELDS})
 
 
 def clear_row(batch: StepBatch, row: int, spare_slot: int) -> None:

@@ -44,6 +44,10 @@ class BlockAllocator:
         self._free = list(range(num_blocks - 1, 0, -1))
         self._blocks: dict[int, list[int]] = {}
         self._length: dict[int, int] = {}
+        # Per sequence, a number that changes whenever its block list does (unique across
+        # sequences), so a copy of the list made elsewhere knows when it is stale.
+        self._version: dict[int, int] = {}
+        self._changes = itertools.count(1)
         self._refs = [0] * num_blocks
         # The prefix cache: key (parent entry, tokens) -> (block, entry id); per block its key;
         # cached blocks nobody holds, least recently freed first; per sequence the entry ids
@@ -85,6 +89,11 @@ class BlockAllocator:
     def length(self, seq_id: int) -> int:
         return self._length[seq_id]
 
+    def version(self, seq_id: int) -> int:
+        """Changes whenever the sequence's block list does (`blocks`); never the same for
+        two sequences or two lists."""
+        return self._version[seq_id]
+
     def entries(self, seq_id: int) -> list[int]:
         """Cache entry ids of the sequence's leading blocks that are in the cache."""
         return self._entries[seq_id]
@@ -94,6 +103,13 @@ class BlockAllocator:
         length = self._length.get(seq_id, 0) if seq_id is not None else 0
         held = len(self._blocks.get(seq_id, ())) if seq_id is not None else 0
         return max(0, -(-(length + n) // self.tokens_per_block) - held)
+
+    def total_blocks_needed(self, seq_ids: Sequence[int], ns: Sequence[int]) -> int:
+        """sum(blocks_needed(seq_id, n)) over the pairs, for allocated sequences: one call
+        for a whole batch's reservations."""
+        bs, length, blocks = self.tokens_per_block, self._length, self._blocks
+        return sum(max(0, -(-(length[s] + n) // bs) - len(blocks[s]))
+                   for s, n in zip(seq_ids, ns))
 
     def can_add(self, seq_id: int | None, n: int) -> bool:
         return self.blocks_needed(seq_id, n) <= self.num_free_blocks
@@ -163,18 +179,25 @@ class BlockAllocator:
         self._blocks[seq_id] = list(blocks)
         self._entries[seq_id] = list(entries)
         self._length[seq_id] = len(blocks) * self.tokens_per_block
+        self._version[seq_id] = next(self._changes)
 
     def add_tokens(self, seq_id: int, n: int) -> None:
         """Grow the logical length by `n`, taking blocks as needed (all or nothing)."""
+        length = self._length[seq_id] + n
+        if 0 <= n and length <= len(self._blocks[seq_id]) * self.tokens_per_block:
+            self._length[seq_id] = length   # within its blocks (most calls)
+            return
         if n < 0:
             raise ValueError(f"add_tokens needs n >= 0, got {n}")
         need = self.blocks_needed(seq_id, n)
         if need > self.num_free_blocks:
             raise OutOfBlocks(f"sequence {seq_id} needs {need} more KV blocks, "
                               f"{self.num_free_blocks} free")
-        blocks = self._blocks[seq_id]
-        for _ in range(need):
-            blocks.append(self._take())
+        if need:
+            blocks = self._blocks[seq_id]
+            for _ in range(need):
+                blocks.append(self._take())
+            self._version[seq_id] = next(self._changes)
         self._length[seq_id] += n
 
     def publish(self, seq_id: int, tokens: Sequence[int], num_blocks: int) -> None:
@@ -200,8 +223,10 @@ class BlockAllocator:
         self._length[seq_id] = length
         keep = -(-length // self.tokens_per_block)
         blocks = self._blocks[seq_id]
-        while len(blocks) > keep:
-            self._release(blocks.pop())
+        if len(blocks) > keep:
+            while len(blocks) > keep:
+                self._release(blocks.pop())
+            self._version[seq_id] = next(self._changes)
         del self._entries[seq_id][keep:]
 
     def free(self, seq_id: int) -> None:
@@ -209,6 +234,7 @@ class BlockAllocator:
         blocks = self._blocks.pop(seq_id, None)
         self._length.pop(seq_id, None)
         self._entries.pop(seq_id, None)
+        self._version.pop(seq_id, None)
         for block in reversed(blocks or ()):   # the tail is evicted before the head
             self._release(block)
 

@@ -37,7 +37,7 @@ from specjax.speculative.schedule import SpeculationGate
 Advance = tuple[Request, list[int], "list[dict[int, float]] | None"]
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class GenerationRow:
     request: Request
     reserve: int     # KV positions reserved from the newest token on (`reserve_for`)
@@ -112,34 +112,39 @@ class Bookkeeper:
         Rows whose request finished or was cancelled while the step was in flight are
         skipped: their blocks are already back."""
         out = step.out
-        new_tokens = np.asarray(out.new_tokens)
-        lens = np.asarray(out.new_tokens_lens)
-        draft_lens = np.asarray(out.draft_lens)
-        next_drafts = np.asarray(out.next_draft_tokens)
+        # One conversion per output, then Python ints: indexing numpy scalars per row costs
+        # more than the row's own bookkeeping at large batches.
+        new_tokens = np.asarray(out.new_tokens).tolist()
+        lens = np.asarray(out.new_tokens_lens).tolist()
+        draft_lens = np.asarray(out.draft_lens).tolist()
+        D = step.draft_len
+        next_drafts = np.asarray(out.next_draft_tokens)[:, :D].tolist() if D else None
         confidence = (None if out.draft_confidence is None or self.acceptance is None
                       else np.asarray(out.draft_confidence))
         hidden = np.asarray(out.hidden_states) if self.recorder is not None else None
         advanced, failed = [], []
         settled = [] if self.stats.trace is not None else None  # rows for the trace
         accepted_sum, drafted_sum, with_drafts, proposed_sum = 0, 0, 0, 0
+        verified_len = step.verified_len
+        recorded = []   # (request, start, row) whose hidden states the recorder keeps
         for i, row in enumerate(step.rows):
             request = row.request
             if request.status is not Status.RUNNING:
                 continue
             try:
-                num_accepted = int(lens[i]) - 1
-                num_drafts_verified = min(int(draft_lens[i]), step.draft_len)
-                rewind_len = step.verified_len - num_accepted
+                num_accepted = lens[i] - 1
+                num_drafts_verified = min(draft_lens[i], D)
+                rewind_len = verified_len - num_accepted
                 if hidden is not None:
-                    self.recorder.record(request, request.num_computed, hidden[:, i, :1])
+                    recorded.append((request, request.num_computed, i))
                 self._give_back(request, row, step.step_id, num_accepted, rewind_len)
                 # Only now do the next drafts replace the verified ones.
-                request.draft_tokens = [int(t) for t in next_drafts[i, :step.draft_len]]
+                request.draft_tokens = next_drafts[i] if D else []
             except Exception as e:  # this row's ledger: fail its request, settle the others
                 failed.append((request, e))
                 continue
-            stats = request.stats
             proposed_sum += row.proposed
+            stats = request.stats
             stats.num_draft_tokens += num_drafts_verified
             stats.num_accepted_draft_tokens += num_accepted
             if num_drafts_verified > 0:
@@ -157,17 +162,21 @@ class Bookkeeper:
                                                  num_drafts_verified, num_accepted)
                 request.draft_confidence = [float(c) for c in confidence[i]]
                 self.acceptance.confide(request.request_id, confidence[i])
-            tokens = [int(t) for t in new_tokens[i, :num_accepted + 1]]
-            try:
-                logprobs = (None if request.logprobs is None else
-                            logprob_entries(out.logprobs, i, tokens, request.params.logprobs))
-            except Exception as e:
-                failed.append((request, e))
-                continue
+            tokens = new_tokens[i][:num_accepted + 1]
+            if request.logprobs is None:
+                logprobs = None
+            else:
+                try:
+                    logprobs = logprob_entries(out.logprobs, i, tokens, request.params.logprobs)
+                except Exception as e:
+                    failed.append((request, e))
+                    continue
             advanced.append((request, tokens, logprobs))
             if settled is not None:
                 settled.append((request.request_id, num_drafts_verified, num_accepted,
                                 row.proposed))
+        if hidden is not None:
+            self.recorder.record_step(recorded, hidden)
         self.stats.record_step(with_drafts, accepted_sum, drafted_sum, step.draft_len,
                                proposed_sum)
         tripped = False
@@ -193,9 +202,10 @@ class Bookkeeper:
             self.allocator.rewind(request.request_id, self.allocator.length(request.request_id)
                                   - request.num_computed - request.latest_reserve)
             return
-        if self.rewinds:
+        if self.rewinds and rewind_len:
             self.allocator.rewind(request.request_id, rewind_len)
-        self.allocator.rewind(request.request_id, slack)
+        if slack:
+            self.allocator.rewind(request.request_id, slack)
         assert self.allocator.length(request.request_id) == request.num_computed
 
 

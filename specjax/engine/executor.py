@@ -18,7 +18,9 @@ import numpy as np
 
 from pallas_kernels import cpu_matmul
 from specjax.core.aux_state import aux_bytes_per_slot
-from specjax.core.batch import PrefillOutput, clear_row, empty_batch, set_row
+from specjax.core.batch import (PrefillOutput, clear_row, empty_batch, gather_rows,
+                                set_request, set_run)
+from specjax.core.kv import NULL_BLOCK
 from specjax.core.penalties import start_penalties
 from specjax.core.sharding import TensorParallel
 from specjax.core.state import init_state, split_model
@@ -107,6 +109,11 @@ class Executor:
                 atexit.register(self.close)
         self.blocks_per_seq = blocks_per_seq
         self.spare_slot = state.slots.spare  # the slot padded rows write to
+        # The host's copy of each slot's request fields (`set_request`), the spare's row
+        # padding; who wrote each row and from which block list (`_request_row`).
+        self._rows = empty_batch(self.spare_slot + 1, 1, blocks_per_seq, self.spare_slot)
+        self._row_owner: list[Request | None] = [None] * (self.spare_slot + 1)
+        self._row_version = [-1] * (self.spare_slot + 1)
         self.prefill_chunk = config.prefill_chunk
         self.decode_buckets = config.decode_buckets
         self.prefill_buckets = power_of_two_buckets(config.max_prefill_rows)
@@ -158,21 +165,22 @@ class Executor:
                 buckets: tuple[int, ...], slot_drafts=None):
         """Row i of the batch is runs[i]; a run whose row cannot be written stays padding (it
         computes nothing and its outputs are ignored) and is returned with its error."""
-        batch = empty_batch(bucket(len(runs), buckets), width, self.blocks_per_seq,
-                            self.spare_slot, self.mask_shape(width, kind))
+        slots = np.full(bucket(len(runs), buckets), self.spare_slot, np.int32)
         failed: Failed = []
-        for i, (request, run, next_token) in enumerate(runs):
+        for i, (request, _, _) in enumerate(runs):
             try:
-                p = request.params
-                set_row(batch, i, run=run, start_pos=request.num_computed,
-                        blocks=self.allocator.blocks(request.request_id), slot=request.slot,
-                        max_len=request.max_len, seed=request.seed, temperature=p.temperature,
-                        top_k=p.top_k, top_p=p.top_p, min_p=p.min_p, next_token=next_token,
-                        logit_bias=p.logit_bias, logprobs=p.logprobs is not None,
-                        prompt_logprobs=request.wants_prompt_logprobs,
-                        repetition_penalty=p.repetition_penalty,
-                        frequency_penalty=p.frequency_penalty,
-                        presence_penalty=p.presence_penalty)
+                self._request_row(request)
+                slots[i] = request.slot
+            except Exception as e:   # stays padding: the spare slot's row
+                failed.append((request, e))
+        batch = gather_rows(self._rows, slots, width, self.mask_shape(width, kind))
+        written = {id(r) for r, _ in failed}
+        for i, (request, run, next_token) in enumerate(runs):
+            if id(request) in written:
+                continue
+            try:
+                set_run(batch, i, run=run, start_pos=request.num_computed, next_token=next_token,
+                        prompt_logprobs=request.wants_prompt_logprobs)
             except Exception as e:
                 clear_row(batch, i, self.spare_slot)
                 failed.append((request, e))
@@ -186,6 +194,30 @@ class Executor:
         for leaf in jax.tree.leaves(out):  # start the small device->host copies now, unblocked
             leaf.copy_to_host_async()
         return out, failed
+
+    def _request_row(self, request: Request) -> None:
+        """Bring the request's row of the host's slot table up to date (`set_request`): its
+        sampling when the slot changes hands, its block table when its blocks changed
+        (`BlockAllocator.version`). Steps gather their rows from the table."""
+        slot, p = request.slot, request.params
+        if self._row_owner[slot] is not request:
+            self._row_owner[slot] = None   # half-written while this raises
+            self._row_version[slot] = -1
+            set_request(self._rows, slot, blocks=(), slot=slot, max_len=request.max_len,
+                        seed=request.seed, temperature=p.temperature, top_k=p.top_k,
+                        top_p=p.top_p, min_p=p.min_p, logit_bias=p.logit_bias,
+                        logprobs=p.logprobs is not None,
+                        repetition_penalty=p.repetition_penalty,
+                        frequency_penalty=p.frequency_penalty,
+                        presence_penalty=p.presence_penalty)
+            self._row_owner[slot] = request
+        version = self.allocator.version(request.request_id)
+        if self._row_version[slot] != version:
+            blocks = self.allocator.blocks(request.request_id)
+            table = self._rows.block_tables[slot]
+            table[len(blocks):] = NULL_BLOCK
+            table[:len(blocks)] = blocks
+            self._row_version[slot] = version
 
     def slot_drafts(self, rows: list[GenerationRow], draft_len: int
                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None] | None:
@@ -287,7 +319,10 @@ class Executor:
 
     def _step(self, kind: str, batch):
         self.programs.ensure((kind,) + batch.tokens.shape)
+        t0 = time.perf_counter()
         self.state, out = self.steps[kind](self.params, self.state, self._place(batch))
+        if self.stats is not None:
+            self.stats.dispatch_time += time.perf_counter() - t0
         return out
 
     def _place(self, tree):
@@ -387,6 +422,13 @@ class Executor:
         """Tokens a dispatched but unread step may still add to `request`."""
         unread = self.inflight is not None and request.latest_step == self.inflight.step_id
         return request.latest_advance if unread else 0
+
+    def unread_advances(self, requests: list[Request]) -> list[int]:
+        """`unread_advance` of each request."""
+        if self.inflight is None:
+            return [0] * len(requests)
+        step = self.inflight.step_id
+        return [r.latest_advance if r.latest_step == step else 0 for r in requests]
 
     def take_inflight(self) -> DispatchedStep | None:
         step, self.inflight = self.inflight, None

@@ -37,6 +37,16 @@ class HiddenStateRecorder:
         self._rows.setdefault(request.request_id, {})[start] = np.ascontiguousarray(
             hidden.transpose(1, 0, 2), np.float32)
 
+    def record_step(self, rows, hidden: np.ndarray) -> None:
+        """A generation step's rows at once: `rows` (request, start position, batch row),
+        `hidden` `[C, B, T, H]` of which position 0 of each row is recorded. One copy for the
+        whole step, a view of it per row (joined into one array per request at `finish`)."""
+        if not rows:
+            return
+        step = np.ascontiguousarray(hidden[:, :, 0].transpose(1, 0, 2), np.float32)
+        for request, start, i in rows:
+            self._rows.setdefault(request.request_id, {})[start] = step[i:i + 1]
+
     def drop(self, request) -> None:
         """Preempted: every position is recomputed (and recorded) again."""
         self._rows.pop(request.request_id, None)

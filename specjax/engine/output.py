@@ -65,6 +65,9 @@ class OutputProcessor:
         if stats.first_token_time is None:
             stats.first_token_time = time.perf_counter()
         p = request.params
+        if request.grammar is None and request.logprobs is None and not (
+                p.stop and self.tokenizer is not None):
+            return self._append_plain(request, tokens)
         for i, token in enumerate(tokens):
             request.output_ids.append(token)
             if request.logprobs is not None:
@@ -85,6 +88,28 @@ class OutputProcessor:
             if request.num_tokens >= request.max_len:
                 return "length"
         return None
+
+    def _append_plain(self, request: Request, tokens: Sequence[int]) -> str | None:
+        """`append` for a request without grammar, logprobs or stop strings (the common one),
+        on the whole run at once: the same tokens kept and the same finish reason as token by
+        token -- a stop token ends the run where it is, else the length limit where it falls."""
+        p = request.params
+        end, reason = len(tokens), None
+        stops = (p.stop_token_ids if p.ignore_eos else
+                 self.eos_token_ids.union(p.stop_token_ids) if p.stop_token_ids else
+                 self.eos_token_ids)
+        if stops:
+            for i, token in enumerate(tokens):
+                if token in stops:
+                    end, reason = i + 1, "stop"
+                    break
+        room = max(1, request.max_len - request.num_tokens)
+        if room <= end:
+            end, reason = room, "stop" if reason is not None and room == end else "length"
+        request.output_ids.extend(tokens[:end] if end < len(tokens) else tokens)
+        request.stats.num_generated_tokens += end
+        self.stats.num_generated_tokens += end
+        return reason
 
     def _stop_string(self, request: Request, token: int) -> bool:
         scan = self._scans.get(request.request_id)

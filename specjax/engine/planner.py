@@ -54,14 +54,13 @@ class GenerationPlanner:
         forced = lengths.forced_len(candidates)
         draft_len = max(draft_len, forced)
         reserve = self.scheduler.reserve_for(draft_len)
-        unread = self.executor.unread_advance
-        positions = lambda r: max(0, r.num_computed + unread(r) + reserve
-                                  - self.allocator.length(r.request_id))
+        positions = self._positions(candidates, reserve)
         if (self.executor.inflight is not None
                 and self.scheduler.blocks_needed(candidates, positions)
                 > self.allocator.num_free_blocks):
             # Exact lengths free the unread step's worst-case reservation.
             candidates = self._drained(candidates)
+            positions = self._positions(candidates, reserve)
         drafter = spec.drafter
         reserved = []
         for request in self.scheduler.reserve(candidates, positions):
@@ -71,8 +70,12 @@ class GenerationPlanner:
                 except Exception as e:
                     self.fail(request, "drafting for it", e)
                     continue
-            room = request.max_len - request.num_tokens - 1
-            reserved.append((request, max(0, min(len(request.draft_tokens), draft_len, room))))
+            if draft_len:
+                room = request.max_len - request.num_tokens - 1
+                reserved.append((request, max(0, min(len(request.draft_tokens), draft_len,
+                                                     room))))
+            else:
+                reserved.append((request, 0))
         if draft_len and drafter is not None and reserved and lengths.adaptive:
             # A host drafter's proposals are known now: choose again, counting only the
             # drafts each row has (a row without a match gains nothing from a longer step).
@@ -86,6 +89,14 @@ class GenerationPlanner:
             request.drafts_held = draft_len  # what this step drafts for the next (in-step)
             rows.append(GenerationRow(request, reserve, drafted, proposed=held))
         return rows, draft_len
+
+    def _positions(self, candidates: list[Request], reserve: int) -> list[int]:
+        """KV positions each candidate's reservation adds: `reserve` from the newest token
+        on, past what the unread step may still advance it."""
+        unread = self.executor.unread_advances(candidates)
+        length = self.allocator.length
+        return [max(0, r.num_computed + u + reserve - length(r.request_id))
+                for r, u in zip(candidates, unread)]
 
     def _worth_waiting(self, candidates: list[Request]) -> bool:
         """Whether a host drafter's proposals are worth reading the step in flight first

@@ -60,8 +60,9 @@ class PrefixCachePolicy:
     def publish(self, request: Request) -> None:
         """Publish the request's full blocks that became exact since the last call."""
         alloc, rid = self.allocator, request.request_id
-        if rid not in alloc:
-            return
+        if rid not in alloc or (request.num_computed // alloc.tokens_per_block
+                                <= len(alloc.entries(rid))):
+            return   # no block completed since (every step asks, for every row)
         known = request.num_tokens    # prompt and emitted tokens: all committed
         if self.prefill_only:
             known = min(known, self._prefilled_until.get(rid, 0))

@@ -102,6 +102,31 @@ class RequestOutput:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    @classmethod
+    def of(cls, request: "Request") -> "RequestOutput":
+        """The request as it stands, in O(1) for its tokens: the engine returns one per
+        advanced request every step, and copying a long output each time would cost the host
+        loop time quadratic in its length. `output_ids` is only ever appended to, so its
+        first n entries, sliced when `token_ids` is first read, are the snapshot; the prompt
+        is shared. (Logprobs, asked for by few requests, are copied.)"""
+        copy = lambda entries: None if entries is None else list(entries)
+        out = cls.__new__(cls)
+        out.__dict__.update(request_id=request.request_id, prompt_token_ids=request.prompt_ids,
+                            text=request.text, finish_reason=request.finish_reason,
+                            stats=request.stats, error=request.error,
+                            logprobs=copy(request.logprobs),
+                            prompt_logprobs=copy(request.prompt_logprobs),
+                            _output=(request.output_ids, len(request.output_ids)))
+        return out
+
+    def __getattr__(self, name: str):
+        # Reached only for a snapshot's `token_ids` not read yet (`of`).
+        source = self.__dict__.get("_output") if name == "token_ids" else None
+        if source is None:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        value = self.__dict__["token_ids"] = source[0][:source[1]]
+        return value
+
 
 @dataclasses.dataclass
 class Request:
@@ -175,8 +200,4 @@ class Request:
         return self.num_tokens - self.num_computed
 
     def output(self) -> RequestOutput:
-        return RequestOutput(self.request_id, list(self.prompt_ids), list(self.output_ids),
-                             self.text, self.finish_reason, self.stats, self.error,
-                             None if self.logprobs is None else list(self.logprobs),
-                             None if self.prompt_logprobs is None
-                             else list(self.prompt_logprobs))
+        return RequestOutput.of(self)

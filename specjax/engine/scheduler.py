@@ -53,6 +53,8 @@ class Scheduler:
         with the prefix cache's blocks for its leading tokens (`num_computed` past them).
         Returns the requests admitted."""
         admitted = []
+        if not (self.waiting and self._free_slots):
+            return admitted
         headroom = self.reserve_for(self.max_draft_len)
         # Blocks already promised to running requests' unprocessed tokens are not free to give.
         budget = self.allocator.num_free_blocks - sum(
@@ -114,21 +116,21 @@ class Scheduler:
         """Running requests whose newest token awaits a generation step."""
         return [r for r in self.running if r.prefilled]
 
-    def blocks_needed(self, requests: list[Request], positions: Callable[[Request], int]) -> int:
-        return sum(self.allocator.blocks_needed(r.request_id, positions(r)) for r in requests)
+    def blocks_needed(self, requests: list[Request], positions: list[int]) -> int:
+        """Blocks that growing each request by its `positions` entry takes."""
+        return self.allocator.total_blocks_needed([r.request_id for r in requests], positions)
 
-    def reserve(self, candidates: list[Request], positions: Callable[[Request], int]
-                ) -> list[Request]:
-        """Grow each candidate's KV length by `positions(request)`, preempting the most
+    def reserve(self, candidates: list[Request], positions: list[int]) -> list[Request]:
+        """Grow each candidate's KV length by its `positions` entry, preempting the most
         recently admitted other requests while the pool is short; returns the candidates that
         got their reservation (a preempted candidate is dropped)."""
         rows: list[Request] = []
-        for request in candidates:
+        for request, grow in zip(candidates, positions):
             if request.status is not Status.RUNNING:
                 continue  # preempted while making room for an earlier row
             while True:
                 try:
-                    self.allocator.add_tokens(request.request_id, positions(request))
+                    self.allocator.add_tokens(request.request_id, grow)
                     rows.append(request)
                     break
                 except OutOfBlocks:

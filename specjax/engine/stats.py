@@ -59,6 +59,7 @@ class EngineStats:
     draft_time: float = 0.0           # host drafter time (in-step drafters are inside step_time)
     mask_time: float = 0.0            # host time computing structured output's token masks
     step_time: float = 0.0
+    dispatch_time: float = 0.0        # host time inside the jitted steps' calls (launch)
     num_preemptions: int = 0          # requests sent back to the queue to free KV blocks
     num_failed_requests: int = 0      # finished with "error" (their own fault, or the device)
     # Which matmul the steps' dense projections run (`EngineConfig.matmul_path`): "kernel

@@ -9,10 +9,11 @@ import math
 import re
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
 from specjax.analysis import at_least
-from specjax.bench import decode, spec, structured
+from specjax.bench import decode, host, spec, structured
 from specjax.bench.__main__ import MODULES, build_parser, main, summary
 from specjax.bench.table import Column, Table
 from specjax.analysis import heldout
@@ -427,3 +428,18 @@ def test_spec_runs_the_models_default_first_and_labels_it():
     assert spec.label_of(configs[0], "smollm2") == (
         "default: ngram D=4 evidence (match >= 2, followed >= 0.5)")
     assert spec.label_of(configs[1], "smollm2") == "ngram D=4"   # the reference's NGram
+
+
+def test_host_bench_times_a_full_batch_and_gives_every_block_back(tiny_llm):
+    """`bench host`'s row: the requests it times all decode together, its host time holds
+    the dispatch it reports, and the pool is whole after (it aborts them)."""
+    engine = tiny_llm.engine
+    steps_before = engine.num_steps
+    figures = host.measure(tiny_llm, 4, 6, 5, 0.0, np.random.default_rng(0))
+    assert engine.num_steps - steps_before >= 2 * 6 + 4
+    assert 0 < figures["dispatch"] <= figures["host"]
+    assert figures["step"] > 0 and figures["compiled"] > 0
+    assert not engine.has_unfinished()
+    assert engine.allocator.num_free_blocks == engine.allocator.total_blocks
+    with pytest.raises(SystemExit, match="positions"):
+        host.measure(tiny_llm, 4, 200, 5, 0.0, np.random.default_rng(0))

@@ -25,6 +25,7 @@ def _check(alloc: BlockAllocator, lengths: dict[int, int]) -> None:
 def test_invariants_hold_after_any_sequence(ops, num_blocks, bs):
     alloc = BlockAllocator(num_blocks, bs)
     lengths: dict[int, int] = {}
+    seen: dict[int, tuple[list[int], int]] = {}   # seq -> (its blocks, their version)
     for op, seq, n in ops:
         if op == "allocate" and seq not in lengths:
             alloc.allocate(seq)
@@ -49,6 +50,17 @@ def test_invariants_hold_after_any_sequence(ops, num_blocks, bs):
             alloc.free(seq)
             lengths.pop(seq, None)
         _check(alloc, lengths)
+        # A copy of a block list is stale exactly when its version says so, and versions are
+        # never shared between sequences (a slot table keyed by version is never wrong).
+        versions = {s: alloc.version(s) for s in lengths}
+        assert len(set(versions.values())) == len(versions)
+        for s in lengths:
+            if s in seen and seen[s][1] == versions[s]:
+                assert seen[s][0] == alloc.blocks(s)
+            seen[s] = (list(alloc.blocks(s)), versions[s])
+        grow = [(s + n) % 7 for s in lengths]
+        assert alloc.total_blocks_needed(list(lengths), grow) == sum(
+            alloc.blocks_needed(s, g) for s, g in zip(lengths, grow))
     for seq in list(lengths):
         alloc.free(seq)
     assert alloc.num_free_blocks == alloc.total_blocks

@@ -51,26 +51,46 @@ def _check_isolated(llm, outs, references, victim: int, where: str,
     assert engine.snapshot().num_failed_requests == failed_before + 1
 
 
-def _fault_in_set_row(monkeypatch, phase: str) -> None:
-    """The marked request's batch row raises while it is written, in the given phase."""
-    real = executor_module.set_row
+def _fault_in_set_run(monkeypatch, phase: str) -> None:
+    """The marked request's run raises while it is written into a step's batch, in the given
+    phase."""
+    real = executor_module.set_run
 
-    def set_row(batch, row, **kw):
+    def set_run(batch, row, **kw):
         generating = kw["start_pos"] >= len(PROMPTS[VICTIM])
-        if kw["seed"] == MARK and generating == (phase == "generation"):
+        if batch.seeds[row] == MARK and generating == (phase == "generation"):
             # Written part-way, pointing at another request's slot: unless the row goes back
             # to padding, the step would run it and overwrite that request's slot state.
-            real(batch, row, **{**kw, "slot": 0})
+            real(batch, row, **kw)
+            batch.slots[row] = 0
             raise OverflowError("planted")
         real(batch, row, **kw)
 
-    monkeypatch.setattr(executor_module, "set_row", set_row)
+    monkeypatch.setattr(executor_module, "set_run", set_run)
 
 
-@pytest.mark.parametrize("phase", ["prompt-chunk", "generation"])
+def _fault_in_set_request(monkeypatch) -> None:
+    """The marked request's row of the host's slot table raises while it is written (its
+    first step, a prompt chunk)."""
+    real = executor_module.set_request
+
+    def set_request(table, row, **kw):
+        if kw["seed"] == MARK:
+            real(table, row, **{**kw, "slot": 0})   # half-written, pointing at slot 0
+            raise OverflowError("planted")
+        real(table, row, **kw)
+
+    monkeypatch.setattr(executor_module, "set_request", set_request)
+
+
+@pytest.mark.parametrize("where,phase", [("run", "prompt-chunk"), ("run", "generation"),
+                                         ("request", "prompt-chunk")])
 def test_a_row_that_cannot_be_prepared_fails_its_request_alone(tiny_llm, references,
-                                                                monkeypatch, phase):
-    _fault_in_set_row(monkeypatch, phase)
+                                                                monkeypatch, where, phase):
+    if where == "run":
+        _fault_in_set_run(monkeypatch, phase)
+    else:
+        _fault_in_set_request(monkeypatch)
     outs, before = _generate(tiny_llm, PROMPTS, _params())
     _check_isolated(tiny_llm, outs, references, VICTIM, f"preparing its {phase} row", before)
 

@@ -1,6 +1,10 @@
 """The output processor finds stop strings in incrementally decoded text exactly where a
-search of the whole decoded output would, and stops at the first stop condition."""
+search of the whole decoded output would, and stops at the first stop condition; a run
+appended at once ends where token-by-token appending would; a request's output is a
+snapshot that later tokens do not change."""
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 import pytest
@@ -83,3 +87,42 @@ def test_first_stop_condition_wins_and_text_is_decoded(tokenizer):
                             stop_token_ids=(ids[9],))
     request, reason = _run(tokenizer, ids, params, eos=(eos,))
     assert reason == "stop" and request.output_ids == ids[:10]
+
+
+def test_a_run_appended_at_once_ends_where_token_by_token_would():
+    """The common request (no grammar, logprobs or stop strings) takes a step's run at once;
+    a request with logprobs goes token by token. Both must keep the same tokens and give the
+    same finish reason, for any run, EOS and stop ids, ignore_eos and length limit."""
+    rng = np.random.default_rng(0)
+    for case in range(400):
+        params = SamplingParams(max_tokens=64, ignore_eos=bool(rng.integers(2)),
+                                stop_token_ids=[2] if rng.integers(2) else [])
+        max_len = int(rng.integers(2, 12))
+        fast, slow = (Request(0, [5], params, seed=0, max_len=max_len) for _ in range(2))
+        slow.logprobs = []   # the token-by-token path
+        processors = [OutputProcessor((1,), None, EngineStats()) for _ in range(2)]
+        while True:
+            run = rng.integers(0, 6, int(rng.integers(1, 5))).tolist()
+            got = processors[0].append(fast, run)
+            want = processors[1].append(slow, run, [{}] * len(run))
+            assert (got, fast.output_ids) == (want, slow.output_ids), case
+            assert fast.stats.num_generated_tokens == len(fast.output_ids)
+            if got is not None:
+                break
+        assert processors[0].stats.num_generated_tokens == len(fast.output_ids)
+
+
+def test_an_output_is_a_snapshot_of_the_request():
+    request = Request(0, [1, 2], SamplingParams(max_tokens=8, logprobs=1), seed=0, max_len=10)
+    request.output_ids.append(5)
+    request.logprobs.append({5: -0.5})
+    early = request.output()
+    request.output_ids += [6, 7]
+    request.logprobs += [{6: -1.0}, {7: -1.5}]
+    late = request.output()
+    request.output_ids.append(8)
+    assert (early.token_ids, early.logprobs) == ([5], [{5: -0.5}])
+    assert late.token_ids == [5, 6, 7] and len(late.logprobs) == 3
+    assert early.prompt_token_ids == [1, 2]
+    assert dataclasses.replace(early, finish_reason="stop").token_ids == [5]
+    assert late == dataclasses.replace(late) and late != early
