@@ -148,10 +148,17 @@ MUTANTS = [
            (GREEDY_DRAFT_TARGET,)),
     Mutant("stop_only_at_run_end", "stop tokens and EOS looked for only at a run's last token",
            "specjax/engine/output.py",
+           "if token in stops:",
+           "if token in stops and i == len(tokens) - 1:",
+           STOPS),
+    Mutant("stop_only_at_run_end_token_by_token",
+           "the same, on the token-by-token path (grammar, logprobs, stop strings)",
+           "specjax/engine/output.py",
            "if (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids:",
            "if ((not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids)"
            " and token == tokens[-1]:",
-           STOPS),
+           ("tests/engine/test_output.py::"
+            "test_a_run_appended_at_once_ends_where_token_by_token_would",)),
     Mutant("give_back_in_flight_reservation",
            "settling a step gives back the positions a newer step in flight reserved",
            "specjax/engine/bookkeeper.py",

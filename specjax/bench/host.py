@@ -90,7 +90,8 @@ def measure(llm: LLM, batch: int, steps: int, prompt_len: int, temperature: floa
     vocab = llm.model.config.vocab_size
     config = engine.config
     ramp = -(-batch // config.max_prefill_rows) * -(-prompt_len // config.prefill_chunk)
-    tokens = ramp + 2 * steps + 16   # none finishes while timed
+    # None finishes while timed, even accepting every draft.
+    tokens = (ramp + 2 * steps + 16) * (engine.speculation.max_draft_len + 1)
     if prompt_len + tokens > engine.max_len:
         raise SystemExit(f"batch {batch}: {prompt_len} + {tokens} tokens exceed the model's "
                          f"{engine.max_len} positions: fewer --steps or a smaller batch")

@@ -252,8 +252,13 @@ def gather_rows(table: StepBatch, rows: np.ndarray, width: int,
     written by `set_request`; a row never written holds padding) and an empty run, for
     `set_run` to fill: one gather per field instead of a write per row and field."""
     n = len(rows)
-    batch = empty_batch(n, width, 0, 0, mask_shape)
-    return batch.replace(**{f: getattr(table, f)[rows] for f in REQUEST_FIELDS})
+    return StepBatch(
+        tokens=np.zeros((n, width), np.int32), start_pos=np.zeros(n, np.int32),
+        query_lens=np.zeros(n, np.int32), next_tokens=np.full(n, -1, np.int32),
+        prompt_logprobs=np.zeros(n, bool),
+        token_mask=None if mask_shape is None else np.full((n,) + mask_shape, -1, np.int32),
+        host_runs=None if mask_shape is None else np.zeros(n, bool),
+        **{f: getattr(table, f)[rows] for f in REQUEST_FIELDS})
 
 
 def clear_row(batch: StepBatch, row: int, spare_slot: int) -> None:

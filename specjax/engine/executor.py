@@ -174,9 +174,9 @@ class Executor:
             except Exception as e:   # stays padding: the spare slot's row
                 failed.append((request, e))
         batch = gather_rows(self._rows, slots, width, self.mask_shape(width, kind))
-        written = {id(r) for r, _ in failed}
+        unprepared = {id(r) for r, _ in failed}
         for i, (request, run, next_token) in enumerate(runs):
-            if id(request) in written:
+            if id(request) in unprepared:
                 continue
             try:
                 set_run(batch, i, run=run, start_pos=request.num_computed, next_token=next_token,
@@ -191,7 +191,12 @@ class Executor:
             if self.stats is not None:
                 self.stats.mask_time += time.perf_counter() - t0
         out = self._update("step", kind, batch)
-        for leaf in jax.tree.leaves(out):  # start the small device->host copies now, unblocked
+        # Start the small device->host copies now, unblocked; log-probabilities only where a
+        # row asked for them (the arrays exist either way).
+        unread = {"logprobs": not batch.logprobs.any(),
+                  "prompt_logprobs": not batch.prompt_logprobs.any()}
+        for leaf in jax.tree.leaves(out.replace(**{
+                name: None for name, skip in unread.items() if skip and hasattr(out, name)})):
             leaf.copy_to_host_async()
         return out, failed
 

@@ -119,6 +119,14 @@ class RequestOutput:
                             _output=(request.output_ids, len(request.output_ids)))
         return out
 
+    def token_ids_from(self, start: int) -> list[int]:
+        """token_ids[start:], without copying the tokens before `start` (a streaming client
+        reads only what is new)."""
+        lazy = self.__dict__.get("_output")
+        if lazy is not None and "token_ids" not in self.__dict__:
+            return lazy[0][start:lazy[1]]
+        return self.token_ids[start:]
+
     def __getattr__(self, name: str):
         # Reached only for a snapshot's `token_ids` not read yet (`of`).
         source = self.__dict__.get("_output") if name == "token_ids" else None

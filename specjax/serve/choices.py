@@ -52,7 +52,7 @@ class ChoiceStream:
 
     def update(self, out: RequestOutput) -> tuple[str, list[TokenLogprob] | None]:
         """The text and the tokens this output adds (None: logprobs were not asked for)."""
-        delta = self.text.delta(out.token_ids, out.finished, out.text)
+        delta = self.text.delta_after(out.token_ids_from(self.text.fed), out.finished, out.text)
         entries: list[TokenLogprob] | None = [] if self.logprobs else None
         if not self._started:
             self._started = True
@@ -64,8 +64,10 @@ class ChoiceStream:
         if entries is not None:
             lps = out.logprobs or ()
             shift = self.shift
+            ids = out.token_ids_from(self._reported)
             for i in range(self._reported, upto):
-                entries.append(token_logprob(out.token_ids[i], lps[i] if i < len(lps) else None,
+                entries.append(token_logprob(ids[i - self._reported],
+                                             lps[i] if i < len(lps) else None,
                                              self.text.start(i) + shift))
         self._reported = upto
         if out.finished:

@@ -80,13 +80,24 @@ class TextStream:
     def delta(self, token_ids: Sequence[int], finished: bool, final_text: str | None = None) -> str:
         """New text for the output so far (`token_ids` is cumulative); `final_text` (the
         engine's, stop strings cut) wins once the request has finished."""
-        for token in token_ids[self._fed:]:
+        return self.delta_after(token_ids[self._fed:], finished, final_text)
+
+    @property
+    def fed(self) -> int:
+        """Tokens of the output given to the decoder so far."""
+        return self._fed
+
+    def delta_after(self, new_ids: Sequence[int], finished: bool,
+                    final_text: str | None = None) -> str:
+        """`delta` given only the ids after the `fed` ones (a long output is not copied per
+        event)."""
+        for token in new_ids:
             self._starts.append(self._decoded)
             piece = self._decoder.step(self._source, token)
             if piece:
                 self._held += piece
                 self._decoded += len(piece)
-        self._fed = len(token_ids)
+        self._fed += len(new_ids)
         if finished and final_text is not None:
             return self._finish(final_text)
         # Only the held text can start a stop string: a longer candidate reaching into sent

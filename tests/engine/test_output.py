@@ -121,8 +121,10 @@ def test_an_output_is_a_snapshot_of_the_request():
     request.logprobs += [{6: -1.0}, {7: -1.5}]
     late = request.output()
     request.output_ids.append(8)
+    assert late.token_ids_from(1) == [6, 7] and early.token_ids_from(0) == [5]
     assert (early.token_ids, early.logprobs) == ([5], [{5: -0.5}])
     assert late.token_ids == [5, 6, 7] and len(late.logprobs) == 3
     assert early.prompt_token_ids == [1, 2]
     assert dataclasses.replace(early, finish_reason="stop").token_ids == [5]
     assert late == dataclasses.replace(late) and late != early
+    assert late.token_ids_from(2) == [7]   # after token_ids was read too
