@@ -104,13 +104,6 @@ class BlockAllocator:
         held = len(self._blocks.get(seq_id, ())) if seq_id is not None else 0
         return max(0, -(-(length + n) // self.tokens_per_block) - held)
 
-    def total_blocks_needed(self, seq_ids: Sequence[int], ns: Sequence[int]) -> int:
-        """sum(blocks_needed(seq_id, n)) over the pairs, for allocated sequences: one call
-        for a whole batch's reservations."""
-        bs, length, blocks = self.tokens_per_block, self._length, self._blocks
-        return sum(max(0, -(-(length[s] + n) // bs) - len(blocks[s]))
-                   for s, n in zip(seq_ids, ns))
-
     def can_add(self, seq_id: int | None, n: int) -> bool:
         return self.blocks_needed(seq_id, n) <= self.num_free_blocks
 

@@ -5,7 +5,7 @@ and the generation step in flight.
 dispatch); its small outputs start their device-to-host copies at once. A row whose
 preparation raises is left as padding and reported with its error, so one request's fault
 never stops the others' step. With the overlap scheduler the engine reads a generation step
-one call later, while the device runs the next; `unread_advance` tells the scheduler how far
+one call later, while the device runs the next; `unread_advances` tells the scheduler how far
 such a step may still move a request.
 """
 from __future__ import annotations
@@ -193,10 +193,10 @@ class Executor:
         out = self._update("step", kind, batch)
         # Start the small device->host copies now, unblocked; log-probabilities only where a
         # row asked for them (the arrays exist either way).
-        unread = {"logprobs": not batch.logprobs.any(),
-                  "prompt_logprobs": not batch.prompt_logprobs.any()}
+        not_asked = {"logprobs": not batch.logprobs.any(),
+                     "prompt_logprobs": not batch.prompt_logprobs.any()}
         for leaf in jax.tree.leaves(out.replace(**{
-                name: None for name, skip in unread.items() if skip and hasattr(out, name)})):
+                name: None for name, skip in not_asked.items() if skip and hasattr(out, name)})):
             leaf.copy_to_host_async()
         return out, failed
 
@@ -423,13 +423,8 @@ class Executor:
 
     # -- the step in flight ------------------------------------------------------------------
 
-    def unread_advance(self, request: Request) -> int:
-        """Tokens a dispatched but unread step may still add to `request`."""
-        unread = self.inflight is not None and request.latest_step == self.inflight.step_id
-        return request.latest_advance if unread else 0
-
     def unread_advances(self, requests: list[Request]) -> list[int]:
-        """`unread_advance` of each request."""
+        """Tokens a dispatched but unread step may still add to each request."""
         if self.inflight is None:
             return [0] * len(requests)
         step = self.inflight.step_id

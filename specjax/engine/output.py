@@ -106,7 +106,7 @@ class OutputProcessor:
         room = max(1, request.max_len - request.num_tokens)
         if room <= end:
             end, reason = room, "stop" if reason is not None and room == end else "length"
-        request.output_ids.extend(tokens[:end] if end < len(tokens) else tokens)
+        request.output_ids.extend(tokens[:end])
         request.stats.num_generated_tokens += end
         self.stats.num_generated_tokens += end
         return reason

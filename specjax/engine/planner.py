@@ -70,12 +70,8 @@ class GenerationPlanner:
                 except Exception as e:
                     self.fail(request, "drafting for it", e)
                     continue
-            if draft_len:
-                room = request.max_len - request.num_tokens - 1
-                reserved.append((request, max(0, min(len(request.draft_tokens), draft_len,
-                                                     room))))
-            else:
-                reserved.append((request, 0))
+            room = request.max_len - request.num_tokens - 1
+            reserved.append((request, max(0, min(len(request.draft_tokens), draft_len, room))))
         if draft_len and drafter is not None and reserved and lengths.adaptive:
             # A host drafter's proposals are known now: choose again, counting only the
             # drafts each row has (a row without a match gains nothing from a longer step).

@@ -118,7 +118,8 @@ class Scheduler:
 
     def blocks_needed(self, requests: list[Request], positions: list[int]) -> int:
         """Blocks that growing each request by its `positions` entry takes."""
-        return self.allocator.total_blocks_needed([r.request_id for r in requests], positions)
+        return sum(self.allocator.blocks_needed(r.request_id, n)
+                   for r, n in zip(requests, positions))
 
     def reserve(self, candidates: list[Request], positions: list[int]) -> list[Request]:
         """Grow each candidate's KV length by its `positions` entry, preempting the most
