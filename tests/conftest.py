@@ -99,6 +99,16 @@ def _hf_families(transformers):
         "qwen3_qknorm_tied": (transformers.Qwen3Config, dict(head_dim=16, tie_word_embeddings=True)),
         "mistral_window": (transformers.MistralConfig, dict(sliding_window=5, head_dim=8,
                                                             tie_word_embeddings=False)),
+        # Gemma 3: local and global layers with their own RoPE bases (linear scaling on the
+        # global one), a window shorter than the sequences, query_pre_attn_scalar != head_dim.
+        "gemma3": (transformers.Gemma3TextConfig, dict(
+            head_dim=8, sliding_window=5, query_pre_attn_scalar=12,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0,
+                                                "rope_theta": 1000000.0},
+                             "sliding_attention": {"rope_type": "default",
+                                                   "rope_theta": 10000.0}},
+            tie_word_embeddings=True)),
         "llama_tied_linear": (transformers.LlamaConfig, dict(
             rope_parameters=dict(rope_type="linear", rope_theta=10000.0, factor=2.0),
             tie_word_embeddings=True, attention_bias=True, mlp_bias=True)),

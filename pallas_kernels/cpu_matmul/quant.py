@@ -38,7 +38,7 @@ import numpy as np
 from pallas_kernels.cpu_matmul.reference import PANEL
 
 QK_K = 256  # a K type's super-block
-TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
+TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 
 
 class Format(NamedTuple):
@@ -60,6 +60,7 @@ class Format(NamedTuple):
 
 
 FORMATS = {"Q8_0": Format(8, 32), "Q4_0": Format(4, 32), "Q4_1": Format(4, 32),
+           "Q5_0": Format(8, 32), "Q5_1": Format(8, 32),
            "Q4_K": Format(4, 32), "Q5_K": Format(8, 32), "Q6_K": Format(8, 16)}
 
 
@@ -121,7 +122,8 @@ def unpack_blocks(raw: np.ndarray, qtype: str) -> tuple[np.ndarray, np.ndarray, 
         raise ValueError(f"quantized type {qtype!r} is not supported (supported: "
                          f"{', '.join(TYPES)})")
     n = raw.shape[0]
-    per = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}[qtype]
+    per = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q4_K": 144,
+           "Q5_K": 176, "Q6_K": 210}[qtype]
     if raw.shape[-1] % per:
         raise ValueError(f"{qtype}: a row of {raw.shape[-1]} bytes is not whole blocks")
     b = np.asarray(raw, np.uint8).reshape(n, -1, per)
@@ -134,6 +136,14 @@ def unpack_blocks(raw: np.ndarray, qtype: str) -> tuple[np.ndarray, np.ndarray, 
         start = 2 if qtype == "Q4_0" else 4
         q = _nibbles(b[..., start:]).astype(np.int16)
         scale, mn = d, (-8 * d if qtype == "Q4_0" else _f16(b[..., 2:4]))
+    elif qtype in ("Q5_0", "Q5_1"):
+        # d (f16)[, m (f16)], qh: the 32 fifth bits (little-endian), qs: 16 bytes of nibbles
+        d = _f16(b[..., 0:2])
+        start = 2 if qtype == "Q5_0" else 4
+        qh = b[..., start:start + 4].copy().view("<u4")                  # [n, nb, 1]
+        high = (qh >> np.arange(32, dtype=np.uint32)) & 1                 # element e: bit e
+        q = (_nibbles(b[..., start + 4:]) | (high.astype(np.uint8) << 4)).astype(np.int16)
+        scale, mn = d, (-16 * d if qtype == "Q5_0" else _f16(b[..., 2:4]))
     elif qtype in ("Q4_K", "Q5_K"):
         d, dmin = _f16(b[..., 0:2]), _f16(b[..., 2:4])
         sc, m = _k_scales(b[..., 4:16])

@@ -200,24 +200,36 @@ def paged_attention_chunks(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
                            window: jax.Array | int = NO_WINDOW,
                            tree_mask: jax.Array | None = None, chunk_blocks: int = 8
                            ) -> tuple[jax.Array, jax.Array]:
-    """`paged_attention_reference` over `chunk_blocks` blocks of the table at a time, as many
-    chunks as `max(context_lens)` needs -> (out `[B, T, H, hd]` float32, lse `[B, T, H]`: for
-    `merge_attention` with keys that are not in the pool)."""
-    M = block_tables.shape[1]
+    """`paged_attention_reference` over `chunk_blocks` blocks of the table at a time ->
+    (out `[B, T, H, hd]` float32, lse `[B, T, H]`: for `merge_attention` with keys that are
+    not in the pool). Each row reads from the chunk holding the first key its window lets
+    its earliest query see, up to its context: a sliding-window layer reads about its
+    window, whatever the context; the loop runs as many chunks as the widest row needs."""
+    B, M = block_tables.shape
     chunks = -(-M // chunk_blocks)
     tables = jnp.pad(block_tables, ((0, 0), (0, chunks * chunk_blocks - M)))  # null block
     S = chunk_blocks * k_pool.shape[3]
     slots = jnp.arange(S)
+    live = context_lens > 0
+    # The earliest key any query of the row may see: its first query's window start (a
+    # tree's run keys sit at slots past its root, inside that).
+    first_key = jnp.maximum(jnp.min(q_positions, axis=1) - window + 1, 0)
+    first = jnp.where(live, jnp.minimum(first_key // S, chunks), 0)           # [B]
+    last = jnp.where(live, jnp.minimum((context_lens + S - 1) // S, chunks), 0)
+    rows = jnp.arange(B)[:, None]
 
     def chunk(i, acc):
-        t = jax.lax.dynamic_slice_in_dim(tables, i * chunk_blocks, chunk_blocks, axis=1)
+        at = jnp.minimum(first + i, chunks - 1)                                # [B]
+        t = tables[rows, at[:, None] * chunk_blocks + jnp.arange(chunk_blocks)]
         k = gather_kv_pages_reference(k_pool, layer, t)
         v = gather_kv_pages_reference(v_pool, layer, t)
-        out, lse = page_attention(q, k, v, q_positions, i * S + slots, context_lens, window,
-                                  tree_mask)
+        # A row past its last chunk reads a chunk again with nothing visible in it.
+        lens = jnp.where(first + i < last, context_lens, 0)
+        out, lse = page_attention(q, k, v, q_positions, at[:, None] * S + slots, lens,
+                                  window, tree_mask)
         return merge_attention(acc, (out.astype(jnp.float32), lse))
 
-    needed = jnp.minimum((jnp.max(context_lens) + S - 1) // S, chunks)
+    needed = jnp.max(last - first)
     # Made from q, so that under shard_map the carry varies over the mesh as the body's does.
     zero = q.astype(jnp.float32) * 0
     empty = (zero, zero[..., 0] - jnp.inf)

@@ -12,7 +12,9 @@ from typing import Any
 
 import numpy as np
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "bamba")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "bamba")
+# What a layer's MLP applies to its gate: Llama's SiLU, Gemma's tanh-approximated GELU.
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -69,8 +71,14 @@ ATTENTION, MAMBA = "attention", "mamba"
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """A Llama-family decoder (Llama 3, Mistral, Qwen2, Qwen3), or a hybrid one whose layers
-    are attention or Mamba-2 mixers (`layer_types`, `mamba`: Bamba)."""
+    """A Llama-family decoder (Llama 3, Mistral, Qwen2, Qwen3, Gemma 3), or a hybrid one whose
+    layers are attention or Mamba-2 mixers (`layer_types`, `mamba`: Bamba).
+
+    Gemma 3 is the Llama layer with four switches: `sandwich_norms`, `hidden_act`
+    "gelu_pytorch_tanh", `embed_scale` and `query_pre_attn_scalar`; its local layers are the
+    ones with a sliding window, rotated with `rope_local_theta`. Its RMSNorm scales by
+    (1 + w): the checkpoint readers store 1 + w, so every norm here multiplies by its weight
+    (a GGUF already holds 1 + w)."""
 
     vocab_size: int
     hidden_size: int
@@ -100,6 +108,17 @@ class ModelConfig:
     # Hybrids: each layer's kind, ATTENTION or MAMBA (None: every layer attends).
     layer_types: tuple[str, ...] | None = None
     mamba: MambaConfig | None = None
+    # Gemma 3: each layer's attention output and MLP output normed before the residual adds
+    # them (`attn_out_norm`, `ffn_out_norm`), beside the usual pre-norms.
+    sandwich_norms: bool = False
+    hidden_act: str = "silu"
+    # Embeddings multiplied by sqrt(hidden_size) (rounded to the model's dtype, as Gemma does).
+    embed_scale: bool = False
+    # Attention scores scaled by query_pre_attn_scalar ** -0.5 (None: head_dim ** -0.5).
+    query_pre_attn_scalar: int | float | None = None
+    # The RoPE base of the sliding-window layers where it differs from the global layers'
+    # (Gemma 3: 10,000 local, 1,000,000 global); no scaling applies to them.
+    rope_local_theta: float | None = None
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -126,6 +145,9 @@ class ModelConfig:
             if (MAMBA in self.layer_types) != (self.mamba is not None):
                 raise ValueError("ModelConfig.mamba must be set exactly when a layer is "
                                  f"{MAMBA!r}")
+        if self.hidden_act not in ACTIVATIONS:
+            raise ValueError(f"ModelConfig.hidden_act {self.hidden_act!r} is not one of "
+                             f"{', '.join(ACTIVATIONS)}")
         rotary = self.head_dim * self.partial_rotary_factor
         if not 0 < self.partial_rotary_factor <= 1 or rotary != int(rotary) or int(rotary) % 2:
             raise ValueError(f"ModelConfig.partial_rotary_factor {self.partial_rotary_factor} "
@@ -135,6 +157,14 @@ class ModelConfig:
     @property
     def rotary_dim(self) -> int:
         return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def query_scale(self) -> float | None:
+        """What q is multiplied by so that attention's head_dim ** -0.5 scales scores by
+        query_pre_attn_scalar ** -0.5; None where the two agree."""
+        if self.query_pre_attn_scalar is None or self.query_pre_attn_scalar == self.head_dim:
+            return None
+        return float((self.head_dim / self.query_pre_attn_scalar) ** 0.5)
 
     @property
     def kv_layers(self) -> tuple[int, ...]:
@@ -178,7 +208,8 @@ class ModelConfig:
         mixers = len(self.recurrent_layers)
         layers = (self.num_layers - mixers) * attn + mixers * mixer
         embed = self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
-        return layers + self.num_layers * (3 * d * f + 2 * d) + embed + d
+        norms = 4 if self.sandwich_norms else 2
+        return layers + self.num_layers * (3 * d * f + norms * d) + embed + d
 
     def replace(self, **changes) -> "ModelConfig":
         return dataclasses.replace(self, **changes)
@@ -192,6 +223,7 @@ class ModelConfig:
             raise ValueError(f"unsupported model_type {model_type!r} in config.json "
                              f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
         hybrid = bamba_fields(hf) if model_type == "bamba" else {}
+        gemma = gemma3_fields(hf) if model_type == "gemma3_text" else {}
         archs = hf.get("architectures") or []
         for arch in archs:
             if not arch.endswith("ForCausalLM"):
@@ -200,7 +232,8 @@ class ModelConfig:
         num_heads = hf["num_attention_heads"]
         num_layers = hf["num_hidden_layers"]
         head_dim = hf.get("head_dim") or hf["hidden_size"] // num_heads
-        theta, scaling = rope_from_hf(hf, partial=model_type == "bamba")
+        theta, scaling = (gemma.pop("rope_theta"), gemma.pop("rope_scaling")) if gemma else \
+            rope_from_hf(hf, partial=model_type == "bamba")
         if dtype is None:
             dtype = hf.get("dtype") or hf.get("torch_dtype") or "float32"
             dtype = dtype if dtype in DTYPES else "float32"
@@ -220,22 +253,24 @@ class ModelConfig:
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             # Qwen2 hard-codes q/k/v biases; Llama's attention_bias covers q/k/v/o; Qwen3 q/k/v only.
             qkv_bias=model_type == "qwen2" or attention_bias,
-            o_bias=model_type in ("llama", "bamba") and attention_bias,
+            o_bias=model_type in ("llama", "bamba", "gemma3_text") and attention_bias,
             mlp_bias=bool(hf.get("mlp_bias", False)),
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "gemma3_text"),
             sliding_windows=_sliding_windows_from_hf(hf, model_type, num_layers),
             dtype=dtype,
             model_type=model_type,
             bos_token_id=hf.get("bos_token_id"),
             eos_token_id=hf.get("eos_token_id"),
             initializer_range=hf.get("initializer_range", 0.02),
-            **hybrid,
+            **hybrid, **gemma,
         )
 
     def to_hf_dict(self) -> dict[str, Any]:
         """A config.json that transformers (and `from_hf_dict`) reads back as the same model."""
         if self.model_type == "bamba":
             return bamba_to_hf(self)
+        if self.model_type == "gemma3_text":
+            return gemma3_to_hf(self)
         if self.model_type == "qwen2" and not self.qkv_bias or self.qk_norm and self.model_type != "qwen3":
             raise ValueError("this ModelConfig has no Hugging Face equivalent for its model_type")
         hf: dict[str, Any] = {
@@ -314,12 +349,80 @@ def _sliding_windows_from_hf(hf, model_type, num_layers):
     if model_type == "llama" or window is None:
         return None
     layer_types = hf.get("layer_types")
+    if layer_types is None and model_type == "gemma3_text":
+        layer_types = gemma3_layer_types(num_layers, hf.get("sliding_window_pattern", 6))
     if layer_types is None and model_type in ("qwen2", "qwen3"):
         first = hf.get("max_window_layers", num_layers)
         layer_types = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
     if layer_types is None:
         return (int(window),) * num_layers
     return tuple(int(window) if t == "sliding_attention" else None for t in layer_types)
+
+
+def gemma3_fields(hf: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 3's switches (`ModelConfig`'s docstring) from its config.json, old (rope_theta,
+    rope_local_base_freq, rope_scaling) or new (rope_parameters per layer type) style;
+    refuses the soft-capping and bidirectional variants, which nothing here computes."""
+    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if hf.get(key) is not None:
+            raise ValueError(f"unsupported Gemma 3 config: {key} = {hf[key]}")
+    if hf.get("use_bidirectional_attention"):
+        raise ValueError("unsupported Gemma 3 config: use_bidirectional_attention = true")
+    act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
+    if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise ValueError(f"unsupported Gemma 3 config: hidden_activation {act!r}")
+    params = hf.get("rope_parameters") or {}
+    if "full_attention" in params:
+        theta, scaling = rope_from_hf({"rope_parameters": params["full_attention"]})
+        local, local_scaling = rope_from_hf({"rope_parameters": params["sliding_attention"]})
+    else:
+        theta, scaling = rope_from_hf({k: v for k, v in hf.items() if k != "rope_parameters"})
+        local, local_scaling = float(hf.get("rope_local_base_freq", 10000.0)), None
+    if local_scaling is not None:
+        raise ValueError("unsupported Gemma 3 config: rope scaling on the sliding-window layers")
+    return dict(rope_theta=theta, rope_scaling=scaling, rope_local_theta=local,
+                sandwich_norms=True, hidden_act="gelu_pytorch_tanh", embed_scale=True,
+                query_pre_attn_scalar=hf.get("query_pre_attn_scalar", 256))
+
+
+def gemma3_layer_types(num_layers: int, pattern: int = 6) -> list[str]:
+    """Gemma 3's default: every `pattern`-th layer global, the rest sliding-window."""
+    return ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+            for i in range(num_layers)]
+
+
+def gemma3_to_hf(config: ModelConfig) -> dict[str, Any]:
+    """A Gemma3ForCausalLM config.json for a Gemma 3 config."""
+    windows = config.sliding_windows or (None,) * config.num_layers
+    sizes = {w for w in windows if w is not None}
+    if len(sizes) > 1 or config.qkv_bias != config.o_bias or not config.qk_norm:
+        raise ValueError("this ModelConfig has no Hugging Face Gemma 3 equivalent")
+    full = {"rope_type": "default", "rope_theta": config.rope_theta}
+    if config.rope_scaling is not None:
+        full = {**rope_scaling_to_hf(config.rope_scaling), "rope_theta": config.rope_theta}
+    return {
+        "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
+        "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_hidden_layers": config.num_layers, "num_attention_heads": config.num_heads,
+        "num_key_value_heads": config.num_kv_heads, "head_dim": config.head_dim,
+        "max_position_embeddings": config.max_position_embeddings,
+        "rms_norm_eps": config.rms_norm_eps, "hidden_activation": config.hidden_act,
+        "query_pre_attn_scalar": config.query_pre_attn_scalar or config.head_dim,
+        "rope_parameters": {
+            "full_attention": full,
+            "sliding_attention": {"rope_type": "default",
+                                  "rope_theta": config.rope_local_theta or config.rope_theta}},
+        "sliding_window": sizes.pop() if sizes else None,
+        "layer_types": ["sliding_attention" if w is not None else "full_attention"
+                        for w in windows],
+        "tie_word_embeddings": config.tie_word_embeddings, "attention_bias": config.qkv_bias,
+        "final_logit_softcapping": None, "attn_logit_softcapping": None,
+        "dtype": config.dtype, "bos_token_id": config.bos_token_id,
+        "eos_token_id": list(config.eos_token_id) if isinstance(config.eos_token_id, tuple)
+        else config.eos_token_id,
+        "pad_token_id": 0, "initializer_range": config.initializer_range,
+    }
 
 
 def rope_scaling_to_hf(scaling: RopeScaling) -> dict:

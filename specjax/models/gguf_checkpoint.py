@@ -28,11 +28,13 @@ from specjax.models.hf_checkpoint import model_from_params
 from specjax.models.llama import Llama, layer_param_shapes
 
 # GGUF's `general.architecture` -> our model_type. llama.cpp writes Mistral files as "llama".
-ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
+ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
+                 "gemma3": "gemma3_text"}
 # Architectures whose q/k rows llama.cpp's converter permutes (its "normal" rotary); Qwen's
 # use NeoX rotary there and are stored as Hugging Face has them.
 _PERMUTED = {"llama", "mistral"}
-TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
+TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K",
+                "Q6_K")
 
 # our layer param -> GGUF tensor name after "blk.{i}."
 _LAYER_NAMES = {
@@ -44,6 +46,14 @@ _LAYER_NAMES = {
     "q_norm": "attn_q_norm.weight", "k_norm": "attn_k_norm.weight",
     "gate_proj": "ffn_gate.weight", "up_proj": "ffn_up.weight", "down_proj": "ffn_down.weight",
 }
+# Gemma 3's sandwich norms (`ffn_norm` is the norm before its MLP, as in Llama files). Its
+# norm weights are stored as llama.cpp computes with them, 1 + w: as specjax does.
+_SANDWICH_NAMES = {"attn_out_norm": "post_attention_norm.weight",
+                   "ffn_out_norm": "post_ffw_norm.weight"}
+_LAYER_NAMES.update(_SANDWICH_NAMES)
+# llama.cpp's Gemma 3: every sixth layer global, the others a sliding window rotated with a
+# base of 10,000 (neither is in the file).
+GEMMA3_GLOBAL_EVERY, GEMMA3_LOCAL_ROPE_BASE = 6, 10000.0
 _TRANSPOSED = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
 # Tensors llama.cpp keeps beside the weights that nothing here computes with.
 _IGNORED = {"rope_freqs.weight"}
@@ -198,23 +208,35 @@ def gguf_config(meta: dict[str, Any], dtype: str | None = None) -> ModelConfig:
     tokens = meta.get("tokenizer.ggml.tokens")
     vocab = int(get("vocab_size", len(tokens) if tokens is not None else KeyError))
     window = get("attention.sliding_window", None)
+    layers = int(get("block_count"))
+    windows = None if not window else (int(window),) * layers
+    gemma = {}
+    if arch == "gemma3":
+        # llama.cpp scales Gemma 3 27B's queries by hidden / heads, every other size's by
+        # the head size (no key holds it).
+        scalar = hidden // heads if hidden == 5376 else head_dim
+        gemma = dict(sandwich_norms=True, hidden_act="gelu_pytorch_tanh", embed_scale=True,
+                     query_pre_attn_scalar=scalar, rope_local_theta=GEMMA3_LOCAL_ROPE_BASE)
+        if window:
+            windows = tuple(None if (i + 1) % GEMMA3_GLOBAL_EVERY == 0 else int(window)
+                            for i in range(layers))
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
     eos = meta.get("tokenizer.ggml.eos_token_id")
     return ModelConfig(
         vocab_size=vocab, hidden_size=hidden,
         intermediate_size=int(get("feed_forward_length")),
-        num_layers=int(get("block_count")), num_heads=heads,
+        num_layers=layers, num_heads=heads,
         num_kv_heads=int(get("attention.head_count_kv", heads)), head_dim=head_dim,
         max_position_embeddings=int(get("context_length", 2048)),
         rms_norm_eps=_decimal(get("attention.layer_norm_rms_epsilon", 1e-6)),
         rope_theta=_decimal(get("rope.freq_base", 10000.0)), rope_scaling=scaling,
         tie_word_embeddings=False,  # decided by the tensors (no output.weight), below
-        qkv_bias=arch == "qwen2", qk_norm=arch == "qwen3",
-        sliding_windows=None if not window else (int(window),) * int(get("block_count")),
+        qkv_bias=arch == "qwen2", qk_norm=arch in ("qwen3", "gemma3"),
+        sliding_windows=windows,
         dtype=dtype or "float32", model_type=ARCHITECTURES[arch],
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
-        eos_token_id=None if eos is None else int(eos))
+        eos_token_id=None if eos is None else int(eos), **gemma)
 
 
 def _decimal(value: float) -> float:
@@ -338,7 +360,17 @@ def gguf_metadata(config: ModelConfig) -> dict[str, Any]:
         meta[f"{arch}.rope.scaling.type"] = "linear"
         meta[f"{arch}.rope.scaling.factor"] = float(config.rope_scaling.factor)
     windows = {w for w in config.sliding_windows or () if w is not None}
-    if windows:
+    if arch == "gemma3":
+        assumed = gguf_config({**meta, f"{arch}.attention.sliding_window": min(windows or {0})})
+        fields = ("sliding_windows", "rope_local_theta", "query_scale", "sandwich_norms",
+                  "hidden_act", "embed_scale")
+        if any(getattr(config, f) != getattr(assumed, f) for f in fields):
+            raise ValueError("this Gemma 3 config differs from what llama.cpp assumes of a "
+                             "GGUF (every sixth layer global, local RoPE base 10,000, the "
+                             "query scale of its size)")
+        if windows:
+            meta[f"{arch}.attention.sliding_window"] = windows.pop()
+    elif windows:
         if len(windows) > 1 or None in config.sliding_windows:
             raise ValueError("GGUF holds one sliding window for every layer")
         meta[f"{arch}.attention.sliding_window"] = windows.pop()

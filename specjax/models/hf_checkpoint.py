@@ -42,7 +42,33 @@ _LAYER_NAMES = {
     "up_bias": ("mlp.up_proj.bias", False),
     "down_bias": ("mlp.down_proj.bias", False),
 }
+# Gemma 3's names where they differ (its sandwich norms: the norm before the MLP is
+# `pre_feedforward_layernorm`, `post_attention_layernorm` norms the attention's output).
+_SANDWICH_NAMES = {
+    "post_norm": ("pre_feedforward_layernorm.weight", False),
+    "attn_out_norm": ("post_attention_layernorm.weight", False),
+    "ffn_out_norm": ("post_feedforward_layernorm.weight", False),
+}
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
+
+
+def layer_names(config: ModelConfig) -> dict[str, tuple[str, bool]]:
+    """specjax layer param -> (Hugging Face suffix, transpose?) for this config."""
+    return {**_LAYER_NAMES, **_SANDWICH_NAMES} if config.sandwich_norms else _LAYER_NAMES
+
+
+def norm_offset(config: ModelConfig) -> float:
+    """What a checkpoint's norm weights lack: Gemma scales by (1 + w), specjax by its weight."""
+    return 1.0 if config.model_type == "gemma3_text" else 0.0
+
+
+def _offset_norms(params: dict, offset: float) -> dict:
+    """Every norm weight (`*norm`, any depth of `params`) plus `offset`."""
+    if not offset:
+        return params
+    return {name: _offset_norms(value, offset) if isinstance(value, dict)
+            else value + offset if name.endswith("norm") else value
+            for name, value in params.items()}
 # Bamba's names where they differ from Llama's (its attention layers share the rest); the
 # convolution's `[C, 1, K]` weight is stored `[K, C]`.
 _BAMBA_NAMES = {
@@ -87,14 +113,15 @@ def load_hf_checkpoint(path: str | os.PathLike, dtype: str | None = None) -> Lla
                         else take_layers(config, take, "model.layers."))
     refuse_leftovers((n for n in tensors if not _IGNORED.match(n)),
                      f"checkpoint has tensors this {config.model_type} config does not use")
-    return model_from_params(config, params)
+    return model_from_params(config, _offset_norms(params, norm_offset(config)))
 
 
 def take_layers(config: ModelConfig, take, prefix: str) -> dict[str, np.ndarray]:
     """Every layer's parameters, stacked `[L, ...]`, from tensors named
     `{prefix}{i}.<Hugging Face suffix>` (`take` from `tensor_taker`)."""
-    return {key: np.stack([take(f"{prefix}{i}.{_LAYER_NAMES[key][0]}", shape,
-                                _LAYER_NAMES[key][1]) for i in range(config.num_layers)])
+    names = layer_names(config)
+    return {key: np.stack([take(f"{prefix}{i}.{names[key][0]}", shape, names[key][1])
+                           for i in range(config.num_layers)])
             for key, shape in layer_param_shapes(config).items()}
 
 
@@ -136,10 +163,12 @@ def bamba_layer_tensors(model: Bamba, np_dtype) -> dict[str, np.ndarray]:
 
 def layer_tensors(model: Llama, np_dtype, prefix: str) -> dict[str, np.ndarray]:
     """The inverse of `take_layers`: `{prefix}{i}.<suffix>` -> `[out, in]` arrays."""
-    tensors = {}
+    tensors, names = {}, layer_names(model.config)
+    offset = norm_offset(model.config)
     for key, stacked in model.layer_params().items():
-        suffix, transpose = _LAYER_NAMES[key]
-        stacked = np.asarray(stacked).astype(np_dtype)
+        suffix, transpose = names[key]
+        stacked = np.asarray(stacked).astype(np.float32)
+        stacked = (stacked - offset if key.endswith("norm") else stacked).astype(np_dtype)
         for i in range(model.config.num_layers):
             tensors[f"{prefix}{i}.{suffix}"] = np.ascontiguousarray(
                 stacked[i].T if transpose else stacked[i])
@@ -160,9 +189,10 @@ def save_hf_checkpoint(model: Llama, path: str | os.PathLike, dtype: str | None 
     np_dtype = jnp.dtype(config.dtype)
     arr = lambda x: np.ascontiguousarray(np.asarray(x[...]).astype(np_dtype))
     hybrid = config.is_hybrid
+    final_norm = np.asarray(model.final_norm[...]).astype(np.float32) - norm_offset(config)
     tensors = {"model.embed_tokens.weight": arr(model.embed),
                "model.final_layernorm.weight" if hybrid else "model.norm.weight":
-                   arr(model.final_norm)}
+                   final_norm.astype(np_dtype)}
     if not config.tie_word_embeddings:
         tensors["lm_head.weight"] = np.ascontiguousarray(arr(model.lm_head).T)
     tensors.update(bamba_layer_tensors(model, np_dtype) if hybrid

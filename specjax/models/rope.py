@@ -37,6 +37,15 @@ def rope_tables(config: ModelConfig, positions: jnp.ndarray) -> tuple[jnp.ndarra
     return jnp.cos(angles), jnp.sin(angles)
 
 
+def local_rope_config(config: ModelConfig) -> ModelConfig | None:
+    """The rotary of a model's sliding-window layers where it differs from its global
+    layers' (`rope_local_theta`, Gemma 3), else None."""
+    local = getattr(config, "rope_local_theta", None)
+    if local is None or not any(getattr(config, "sliding_windows", None) or ()):
+        return None
+    return config.replace(rope_theta=local, rope_scaling=None, rope_local_theta=None)
+
+
 def apply_rope(x: jnp.ndarray, cos: jnp.ndarray, sin: jnp.ndarray) -> jnp.ndarray:
     """x `[B, T, heads, head_dim]`; cos/sin `[B, T, rotary_dim // 2]`: the first rotary_dim
     features rotate, the rest pass through (partial rotary, Bamba)."""

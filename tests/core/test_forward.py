@@ -44,6 +44,35 @@ def test_chunked_reads_equal_the_whole_table(tree, window):
                                    err_msg=str(lens))
 
 
+def test_a_sliding_window_layer_reads_no_chunk_wholly_before_its_window():
+    """Every chunk (2 blocks) wholly before a row's window, or wholly past its context, holds
+    NaN: a read of any of it would turn the output NaN (a NaN V times a zero weight), so the
+    chunked reader must start each row at its window's chunk; its attention equals the
+    oracle's on the clean pool. Rows at different depths: each starts at its own chunk."""
+    B, T, H, KV, hd, bs, M, N, window = 3, 2, 4, 2, 8, 4, 12, 40, 6
+    keys = jax.random.split(jax.random.key(1), 3)
+    q = jax.random.normal(keys[0], (B, T, H, hd))
+    clean = jax.random.normal(keys[1], (2, 2, N, KV, bs, hd))
+    tables = np.arange(1, 1 + B * M).reshape(B, M)
+    lens = np.asarray([46, 9, 30], np.int32)
+    pos = (lens - T)[:, None] + np.arange(T)
+    poisoned = np.asarray(clean).copy()
+    chunk = 2 * bs
+    for b in range(B):
+        for j in range(M):
+            c = j * bs // chunk
+            if (c + 1) * chunk <= pos[b, 0] - window + 1 or c * chunk >= lens[b]:
+                poisoned[:, 1, tables[b, j]] = np.nan
+    assert np.isnan(poisoned).any(axis=(0, 1, 3, 4, 5))[tables].sum() >= 12
+    k, v = jnp.asarray(poisoned[0]), jnp.asarray(poisoned[1])
+    got = paged_attention_chunks(q, k, v, 1, jnp.asarray(tables), jnp.asarray(pos),
+                                 jnp.asarray(lens), window, chunk_blocks=2)[0]
+    want = paged_attention_reference(q, clean[0], clean[1], 1, jnp.asarray(tables),
+                                     jnp.asarray(pos), jnp.asarray(lens), window)
+    assert np.isfinite(np.asarray(got)).all()
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-6)
+
+
 LONG = TINY.replace(max_position_embeddings=1024, num_layers=8)  # EAGLE-3 needs > 5
 # Prompts whose contexts, with MAX_TOKENS more, span 1, 2, 3 and 6 chunks of 128 tokens: a
 # batch's chunk count is set by its longest row, the short rows ride along.

@@ -17,7 +17,7 @@ from specjax.models import Llama, load_hf_checkpoint, save_hf_checkpoint  # noqa
 
 SEQUENCES = np.random.default_rng(0).integers(0, 97, size=(3, 13))
 FAMILIES = ["llama3", "qwen2_bias", "qwen3_qknorm_tied", "mistral_window", "llama_tied_linear",
-            "bamba"]
+            "gemma3", "bamba"]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
