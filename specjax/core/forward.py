@@ -11,7 +11,7 @@ from jax.sharding import PartitionSpec as P
 
 from pallas_kernels.paged_attention import paged_attention, paged_attention_chunks
 from specjax.core.batch import StepBatch
-from specjax.core.kv import NULL_BLOCK, KVPool
+from specjax.core.kv import NULL_BLOCK, KVPool, ring_tables
 from specjax.core.sharding import HEADS, POOL, TP, heads_local
 from specjax.core.tree import TreeLayout
 from specjax.models.llama import NO_WINDOW, Llama, layer_windows
@@ -58,23 +58,56 @@ class PagedAttention:
         self.tokens_per_block = tokens_per_block
         self.blocks, self.offsets = kv_destinations(batch, tokens_per_block)
 
+    def _place(self, layer, pool: KVPool) -> tuple[bool, object]:
+        """(whether attention layer `layer` lives in the pool's ring, its index there)."""
+        if pool.places is None:
+            return False, layer
+        if not isinstance(layer, int):
+            raise ValueError("a pool with local-layer rings needs the layers unrolled "
+                             "(scan_layers=False)")
+        return pool.places[layer]
+
+    def _ring_destinations(self, pool: KVPool) -> jax.Array:
+        """`[B, T]` ring blocks of the runs' K/V; padding goes to the spare's ring."""
+        b = self.batch
+        T = b.tokens.shape[1]
+        positions = b.start_pos[:, None] + jnp.arange(T)
+        valid = jnp.arange(T) < b.query_lens[:, None]
+        spare = pool.ring_k.shape[1] - pool.ring_blocks
+        ring = b.slots[:, None] * pool.ring_blocks + (positions // self.tokens_per_block
+                                                      ) % pool.ring_blocks
+        return jnp.where(valid, ring, spare)
+
     def write(self, k: jax.Array, v: jax.Array, layer, pool: KVPool) -> KVPool:
         # Index arrays split by the heads' slice put their dims first: the update is k's
         # own `[B, T, KV, hd]`.
-        where = (layer, self.blocks, slice(None), self.offsets)
+        in_ring, index = self._place(layer, pool)
+        if in_ring:
+            where = (index, self._ring_destinations(pool), slice(None), self.offsets)
+            return pool.replace(ring_k=pool.ring_k.at[where].set(k.astype(pool.ring_k.dtype)),
+                                ring_v=pool.ring_v.at[where].set(v.astype(pool.ring_v.dtype)))
+        where = (index, self.blocks, slice(None), self.offsets)
         return pool.replace(k=pool.k.at[where].set(k.astype(pool.k.dtype)),
                             v=pool.v.at[where].set(v.astype(pool.v.dtype)))
 
     def read(self, q: jax.Array, layer, pool: KVPool) -> jax.Array:
         window = NO_WINDOW if self.windows is None else self.windows[layer]
+        in_ring, index = self._place(layer, pool)
         # The window and the tree mask are the same on every device: closed over, replicated.
         attend = heads_local(
             lambda q, k, v, tables, positions, lens: paged_attention(
-                q, k, v, layer, tables, positions, lens, window, self.tree_mask,
+                q, k, v, index, tables, positions, lens, window, self.tree_mask,
                 chunk_blocks=chunk_blocks(self.tokens_per_block)),
             pool.mesh, (HEADS, POOL, POOL, P(), P(), P()), HEADS)
-        out = attend(q, pool.k, pool.v, self.batch.block_tables, self.positions,
-                     self.context_lens)
+        if in_ring:
+            # The window's blocks of the slot's ring; a table entry before the window names
+            # a ring block a later position took, which the window's mask hides.
+            tables = ring_tables(pool, self.batch.slots, self.batch.block_tables.shape[1])
+            out = attend(q, pool.ring_k, pool.ring_v, tables, self.positions,
+                         self.context_lens)
+        else:
+            out = attend(q, pool.k, pool.v, self.batch.block_tables, self.positions,
+                         self.context_lens)
         return out.astype(q.dtype)
 
     def attend(self, q, k, v, layer, pool: KVPool) -> tuple[jax.Array, KVPool]:

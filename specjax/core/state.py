@@ -143,20 +143,24 @@ def split_model(target: Llama, draft: nnx.Module | None = None, fused: bool = Tr
 def init_state(config: ModelConfig, *, num_slots: int, num_blocks: int, tokens_per_block: int,
                max_draft_len: int = 0, worker: DraftWorker | None = None,
                suffix: SuffixSpec | None = None, history_len: int = 0,
-               mesh: Mesh | None = None, recurrent_commit: str = "replay") -> EngineState:
+               mesh: Mesh | None = None, recurrent_commit: str = "replay",
+               ring_layers: tuple[bool, ...] = (), ring_blocks: int = 0) -> EngineState:
     """Zeroed device state for a target with `config`: its pool, slot state
     for `num_slots` requests and drafts up to `max_draft_len` (a tree worker's: nodes), the
     worker's pool, and with SA (`suffix`) a token history of `history_len` (the longest
     request) per slot. Draft distributions are kept when the worker does rejection sampling,
     the nodes' parents when it drafts trees. A hybrid target gets its slots' recurrent
-    state (`recurrent_commit`: how a verify step commits it, see `specjax.core.recurrent`)."""
+    state (`recurrent_commit`: how a verify step commits it, see `specjax.core.recurrent`).
+    `ring_layers`, `ring_blocks`: the target's attention layers that keep only a ring per
+    slot (`specjax.core.kv`)."""
     keep_probs = worker is not None and worker.rejection_sampling
     tree = tree_of(worker) is not None
     if suffix is not None and history_len < 1:
         raise ValueError("SA needs history_len: the longest request's tokens (max_model_len)")
     return EngineState(
         target=make_kv_pool(len(config.kv_layers), config.num_kv_heads, config.head_dim, num_blocks,
-                            tokens_per_block, config.dtype, mesh),
+                            tokens_per_block, config.dtype, mesh, ring_layers, ring_blocks,
+                            num_slots),
         slots=make_slot_state(num_slots, max_draft_len, config.vocab_size if keep_probs else 0,
                               tree, strict=keep_probs and suffix is not None),
         draft=None if worker is None else worker.make_kv(num_blocks, tokens_per_block,

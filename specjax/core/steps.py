@@ -322,7 +322,7 @@ def make_generation_step(graphdef: nnx.GraphDef, worker: DraftWorker | None = No
             new_tokens, lens, path = accept_tree(logits, batch, state.slots, verified_parents,
                                                  layout, D, tree.top_k)
             kv_target = relocate_path(kv_target, batch.start_pos, batch.block_tables, path,
-                                      jnp.where(real, lens - 1, 0))
+                                      jnp.where(real, lens - 1, 0), batch.slots)
             # The worker reads the accepted rows' hidden states in sequence order, as after
             # a chain; each emitted token's logits row is its node's.
             captured = jnp.take_along_axis(captured, path[None, :, :, None], axis=2)

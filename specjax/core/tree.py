@@ -31,7 +31,7 @@ from pallas_kernels.rejection_sampling import mix32
 from pallas_kernels.rejection_sampling.reference import (ACCEPT_STREAM, RESIDUAL_STREAM,
                                                          counter_uniform, sample_inverse_cdf)
 from pallas_kernels.paged_attention.reference import TREE_MAX_NODES
-from specjax.core.kv import KVPool
+from specjax.core.kv import KVPool, ring_tables
 from specjax.core.sharding import POOL, heads_local
 
 # The tree mask is one int32 bitmask per row (bit j: row j is an ancestor or the row itself),
@@ -208,17 +208,26 @@ def tree_rejection_accept(tokens: jax.Array, parents: jax.Array, layout: TreeLay
 
 
 def relocate_path(pool: KVPool, start_pos: jax.Array, block_tables: jax.Array, path: jax.Array,
-                  num_moves: jax.Array) -> KVPool:
+                  num_moves: jax.Array, slots: jax.Array | None = None) -> KVPool:
     """Move the K/V of the accepted nodes (every layer) from their slots start + path[k] to
     the linear slots start + k, k = 1..num_moves `[B]`, before anything reads them. Sources
     are never before their destinations (a node's row is at least its depth), and every
-    source is read before any destination is written."""
+    source is read before any destination is written. A pool with local-layer rings moves
+    theirs too (`slots` `[B]`: the rows' slots)."""
     bs = pool.tokens_per_block
     R = path.shape[1] - 1
     src = start_pos[:, None] + path[:, 1:]
     dst = start_pos[:, None] + jnp.arange(1, R + 1)[None, :]
-    where = lambda pos: (jnp.take_along_axis(block_tables, pos // bs, axis=1), pos % bs)
-    (src_b, src_o), (dst_b, dst_o) = where(src), where(dst)
-    move = heads_local(relocate_kv, pool.mesh, (POOL, POOL) + (P(),) * 5, (POOL, POOL))
-    k, v = move(pool.k, pool.v, src_b, src_o, dst_b, dst_o, num_moves)
-    return pool.replace(k=k, v=v)
+
+    def moved(k_pool, v_pool, tables):
+        where = lambda pos: (jnp.take_along_axis(tables, pos // bs, axis=1), pos % bs)
+        (src_b, src_o), (dst_b, dst_o) = where(src), where(dst)
+        move = heads_local(relocate_kv, pool.mesh, (POOL, POOL) + (P(),) * 5, (POOL, POOL))
+        return move(k_pool, v_pool, src_b, src_o, dst_b, dst_o, num_moves)
+
+    k, v = moved(pool.k, pool.v, block_tables)
+    if pool.ring_k is None:
+        return pool.replace(k=k, v=v)
+    ring_k, ring_v = moved(pool.ring_k, pool.ring_v,
+                           ring_tables(pool, slots, block_tables.shape[1]))
+    return pool.replace(k=k, v=v, ring_k=ring_k, ring_v=ring_v)

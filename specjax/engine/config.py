@@ -32,7 +32,32 @@ def for_model(config: EngineConfig, mc: ModelConfig
     if max_len > mc.max_position_embeddings:
         raise ValueError(f"max_model_len {max_len} exceeds the model's "
                          f"max_position_embeddings {mc.max_position_embeddings}")
+    if any(local_kv_layers(config, mc, tp, max_len)) and config.enable_prefix_cache:
+        log.info("prefix cache off: local layers keep only their window, which cached blocks "
+                 "do not hold")
+        config = dataclasses.replace(config, enable_prefix_cache=False)
     return config, tp, max_len
+
+
+def local_kv_layers(config: EngineConfig, mc: ModelConfig, tp, max_len: int
+                    ) -> tuple[bool, ...]:
+    """Per attention layer, whether it keeps only its window's K/V (a ring per slot,
+    `specjax.core.kv`): a sliding-window layer whose window is shorter than the longest
+    request, with `local_kv` on, the layers unrolled (a ring is picked per layer while the
+    step is traced), one device, a pure-attention target. () where no layer does."""
+    if (not config.local_kv or tp is not None or mc.is_hybrid or config.layers_scanned()
+            or not mc.sliding_windows):
+        return ()
+    flags = tuple(mc.sliding_windows[i] is not None and mc.sliding_windows[i] < max_len
+                  for i in mc.kv_layers)
+    return flags if any(flags) else ()
+
+
+def ring_blocks(config: EngineConfig, mc: ModelConfig, widest_run: int) -> int:
+    """Blocks a slot's ring holds: the widest window plus the widest run a step writes
+    (`specjax.core.kv` says why that suffices), plus one for a run that starts mid-block."""
+    window = max(w for w in mc.sliding_windows if w is not None)
+    return -(-(window + widest_run) // config.tokens_per_block) + 1
 
 
 def hybrid_engine_config(config: EngineConfig, tp) -> EngineConfig:
@@ -112,7 +137,10 @@ def kv_sizing(config: EngineConfig, speculation, max_len: int, mc: ModelConfig |
     typical = -(-(min(max_len, TYPICAL_CONTEXT) - 1 + reserve) // config.tokens_per_block)
     wanted = config.max_batch_size * typical
     if mc is not None and free is not None:
-        block_bytes = config.tokens_per_block * mc.kv_bytes_per_token
+        local = local_kv_layers(config, mc, config.tensor_parallel(), max_len)
+        pooled = len(mc.kv_layers) - sum(local)  # the layers whose K/V the blocks hold
+        block_bytes = max(1, config.tokens_per_block * mc.kv_bytes_per_token * pooled
+                          // len(mc.kv_layers))
         wanted = min(wanted, int(free * config.kv_memory_fraction) // block_bytes)
     return blocks_per_seq, max(wanted, blocks_per_seq) + 1
 
@@ -156,6 +184,9 @@ class EngineConfig:
     # verifies), "xla" XLA's dot. None: the kernel wherever it is built and the steps run on
     # one CPU device; XLA's dot elsewhere (accelerators, tensor parallelism).
     cpu_matmul: str | None = None
+    # Sliding-window layers keep only their window's K/V, a ring per slot, where the layers
+    # run unrolled on one device (`local_kv_layers`); the prefix cache is then off.
+    local_kv: bool = True
 
     def __post_init__(self):
         if self.cpu_matmul not in (None, "kernel", "xla"):

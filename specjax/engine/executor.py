@@ -28,7 +28,8 @@ from specjax.core.steps import make_generation_step, make_prefill_step, runs_on_
 from specjax.core.suffix import start_history
 from specjax.engine.allocator import BlockAllocator
 from specjax.engine.bookkeeper import DispatchedStep, GenerationRow
-from specjax.engine.config import EngineConfig, bucket, power_of_two_buckets
+from specjax.engine.config import (EngineConfig, bucket, local_kv_layers, power_of_two_buckets,
+                                   ring_blocks)
 from specjax.engine.distributed import Channel, is_leader
 from specjax.engine.grammar import Grammars, mask_width
 from specjax.engine.programs import Programs
@@ -52,13 +53,17 @@ class Executor:
         graphdef, params = split_model(model, spec.draft_model, fused=tp is None,
                                        scan_layers=config.layers_scanned(),
                                        packed=config.packs_weights())
+        local = local_kv_layers(config, mc, tp, max_len)
+        widest_run = max(config.prefill_chunk, spec.verify_len(spec.max_draft_len) + 1)
+        ring = (dict(ring_layers=local, ring_blocks=ring_blocks(config, mc, widest_run))
+                if local else {})
         make_state = lambda: init_state(mc, num_slots=config.max_batch_size,
                                         num_blocks=num_blocks,
                                         tokens_per_block=config.tokens_per_block,
                                         max_draft_len=spec.verify_len(spec.max_draft_len),
                                         worker=worker, suffix=suffix, history_len=max_len,
                                         mesh=None if tp is None else tp.mesh,
-                                        recurrent_commit=config.recurrent_commit)
+                                        recurrent_commit=config.recurrent_commit, **ring)
         if mc.is_hybrid:
             log.info("recurrent state: %.1f KiB per request, %.2f MiB for %d slots (beside "
                      "the K/V pool)", aux_bytes_per_slot(mc) / 1024,

@@ -2,7 +2,8 @@
 shorter than the prompts) between global ones, two RoPE bases, sandwich norms, GeGLU, scaled
 embeddings, a query scale that is not head_dim's. The paged engine's greedy output equals
 the dense forward's, and every speculative mode is exact on it, its drafts both accepted
-and rejected. (Logits against transformers: tests/models/test_hf_parity.py's "gemma3"; the
+and rejected, with the local layers' K/V kept in a ring of their window per slot (a ring of window + run
+less a block fails these tests). (Logits against transformers: tests/models/test_hf_parity.py's "gemma3"; the
 real 270M file: tests/models/test_gemma3_270m.py.)"""
 import dataclasses
 
@@ -95,6 +96,11 @@ def test_greedy_output_equals_the_dense_forward_in_every_mode(gemma, mode):
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0))
     for prompt, out in zip(PROMPTS, outs):
         assert out.token_ids == refs[tuple(prompt)], (mode, prompt)
+    # The local layers (6 of 8) keep only a ring per slot: window 6 + the widest run (the
+    # prefill's 8) in 4-token blocks, plus one; the global pool holds the other 2.
+    pool = llm.engine.executor.state.target
+    assert pool.k.shape[0] == 2 and pool.ring_k.shape[:2] == (6, (4 + 1) * 5)
+    assert llm.engine.prefix_cache is None
     if mode in MODEL_DRAFTERS:
         assert_mixed_acceptance(llm.stats, 3)
     elif spec is not None:
