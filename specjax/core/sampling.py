@@ -86,10 +86,35 @@ def sampling_keys(seeds: jax.Array, positions: jax.Array, stream: int = TARGET_S
     return counter_bits(seeds, positions, stream)
 
 
+def vocab_argmax(x: jax.Array) -> jax.Array:
+    """`jnp.argmax(x, axis=-1)` as int32 -- the first index of the largest entry, a NaN
+    counting as largest -- in two passes where the vocabulary splits into blocks: the
+    blocks' maxima, then the first block holding the largest, then the first index within
+    it. XLA:CPU's one-pass argmax carries an index beside every value: over a 262k-entry
+    vocabulary at batch 8 x 5 verified rows, 11.7 ms a step against 2.0-2.2 ms, 3.7 ms with
+    the NaN check below (AMD EPYC, 2 cores)."""
+    V = x.shape[-1]
+    size = next((b for b in (512, 256, 128) if V % b == 0 and V > b), None)
+    plain = lambda: jnp.argmax(x, axis=-1).astype(jnp.int32)
+    if size is None:
+        return plain()
+
+    def blocked():
+        blocks = x.reshape(*x.shape[:-1], V // size, size)
+        first = jnp.argmax(blocks.max(axis=-1), axis=-1)
+        block = jnp.take_along_axis(blocks, first[..., None, None], axis=-2)[..., 0, :]
+        return (first * size + jnp.argmax(block, axis=-1)).astype(jnp.int32)
+
+    # XLA's max need not propagate a NaN, argmax picks it: a batch holding one goes the
+    # one-pass way. A sum is NaN where any entry is (or +inf meets -inf: one-pass too), and
+    # costs a third of `isnan(x).any()` here.
+    return jax.lax.cond(jnp.isnan(jnp.sum(x)), plain, blocked)
+
+
 def categorical(keys: jax.Array, logits: jax.Array) -> jax.Array:
     """One draw per row from softmax(logits `[B, V]`) (-inf: never) with keys `[B]` ->
     `[B]` int32: the Gumbel-max of the logits with uniforms hashed from (key, entry)."""
-    return jnp.argmax(logits + entry_noise(keys, logits.shape[-1]), axis=-1).astype(jnp.int32)
+    return vocab_argmax(logits + entry_noise(keys, logits.shape[-1]))
 
 
 def entry_noise(keys: jax.Array, V: int) -> jax.Array:
@@ -112,7 +137,7 @@ def sample(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: j
            min_p: jax.Array, keys: jax.Array) -> jax.Array:
     """logits `[B, V]` -> tokens `[B]` int32: argmax where temperature == 0, else a draw from
     the filtered distribution with the row's key."""
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    greedy = vocab_argmax(logits)
 
     def draw():
         filtered = filter_logits(logits, temperature, top_k, top_p, min_p)
@@ -157,7 +182,7 @@ def draft_tokens_and_probs(logits: jax.Array, batch, positions: jax.Array,
     target side (`draft_logits`; `drafts` `[B, k]`: the run's drafts before this one).
     """
     logits = draft_logits(logits, batch, penalties, drafts, num_before)
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    greedy = vocab_argmax(logits)
     if not with_probs:
         return greedy, None
 

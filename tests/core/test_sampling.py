@@ -1,4 +1,5 @@
 """filter_logits semantics and the sampled distribution."""
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -122,3 +123,25 @@ def test_large_vocabularies_cut_where_a_full_sort_does_whatever_the_batch(top_k,
         out = np.asarray(filter_logits(jnp.asarray(np.stack(rows)), *params(len(rows))))
         for x, o in zip(rows, out):
             assert set(np.flatnonzero(np.isfinite(o)).tolist()) == _reference_kept(x, top_k, top_p)
+
+
+@pytest.mark.parametrize("V", [64, 97, 1024, 262144])
+def test_vocab_argmax_is_jnp_argmax(V):
+    """The two-pass argmax gives jnp.argmax's index on every row: ties (the first wins),
+    -inf rows and entries, maxima in the first and last blocks, and with NaN in the batch
+    (counted largest, the first wins); vocabularies that split into blocks and ones that do
+    not."""
+    from specjax.core.sampling import vocab_argmax
+    rng = np.random.default_rng(V)
+    x = rng.integers(-3, 4, size=(9, 3, V)).astype(np.float32)   # many ties
+    x[0, 0] = -np.inf
+    x[1, 0, V // 2] = np.nan
+    x[1, 1, [3, V - 1]] = np.nan
+    x[2, 0, 0] = x[2, 1, V - 1] = 100.0
+    x[3] = rng.standard_normal((3, V))
+    x[4, :, :] = -np.inf
+    x[4, :, V - 2] = 0.0
+    clean = np.where(np.isnan(x), 5.0, x)   # no NaN: the two-pass path
+    for a in (x, clean):
+        got = np.asarray(jax.jit(vocab_argmax)(jnp.asarray(a)))
+        np.testing.assert_array_equal(got, np.asarray(jnp.argmax(jnp.asarray(a), axis=-1)))

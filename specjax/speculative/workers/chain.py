@@ -27,7 +27,7 @@ from pallas_kernels.paged_attention.reference import dense_attention, merge_atte
 from specjax.core.batch import StepBatch
 from specjax.core.forward import PagedAttention, context_attention, take_rows
 from specjax.core.kv import KVPool, make_kv_pool
-from specjax.core.sampling import adjusts_logits, draft_tokens_and_probs
+from specjax.core.sampling import adjusts_logits, draft_tokens_and_probs, vocab_argmax
 from specjax.core.tree import TreeShape
 from specjax.core.worker import Drafts, WorkerDefaults
 from specjax.models import Llama, load_eagle3_head
@@ -67,8 +67,7 @@ class ChainWorker(WorkerDefaults):
 
     def _argmax(self, head, target, hidden_out: jax.Array) -> jax.Array:
         """The greedy draft `[B]` (target ids) without materialising target-vocab logits."""
-        return self._to_target(head, jnp.argmax(self._draft_logits(head, target, hidden_out),
-                                                axis=-1).astype(jnp.int32))
+        return self._to_target(head, vocab_argmax(self._draft_logits(head, target, hidden_out)))
 
     def _draft_logits(self, head, target, hidden_out: jax.Array) -> jax.Array:
         """`[..., H]` -> float32 logits over the head's own vocabulary `[..., V']`."""

@@ -27,7 +27,7 @@ from flax import nnx
 from specjax.core.batch import StepBatch
 from specjax.core.forward import PagedAttention, paged_forward
 from specjax.core.kv import KVPool, make_kv_pool
-from specjax.core.sampling import adjusts_logits, draft_tokens_and_probs
+from specjax.core.sampling import adjusts_logits, draft_tokens_and_probs, vocab_argmax
 from specjax.core.worker import Drafts, WorkerDefaults
 from specjax.models import Llama, load_dflash_head
 from specjax.models.config import ModelConfig
@@ -57,7 +57,7 @@ def propose_block(logits: jax.Array, batch: StepBatch, first: jax.Array, rejecti
 
     if rejection:
         return one_by_one(True)
-    plain = lambda: jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    plain = lambda: vocab_argmax(logits)
     adjusted = adjusts_logits(batch)
     if adjusted is False:
         return plain(), None
