@@ -121,16 +121,20 @@ def require_humaneval() -> None:
 
 CHAT_PROMPTS = {"chat": list(heldout.CHAT), "code": list(heldout.CODE),
                 "edit": list(heldout.EDIT)}
+# Asked for by name only (--categories edit) on a model without a chat template: the
+# held-out edit requests as completions, what prompt lookup and SA are for.
+COMPLETION_EXTRAS = {"edit": list(heldout.EDIT)}
 
 
 def categories_to_run(humaneval: int, categories: str | None = None,
                       chat: bool = False) -> list[str]:
     """The prompt categories a run covers: --categories (checked), else every one there is
-    (a chat model's held-out chat and code; HumanEval's when --humaneval N > 0)."""
-    available = [*(CHAT_PROMPTS if chat else PROMPTS),
-                 *(["humaneval"] if humaneval > 0 else [])]
+    (a chat model's held-out chat and code; HumanEval's when --humaneval N > 0); a model
+    without a template may name "edit" too."""
+    default = [*(CHAT_PROMPTS if chat else PROMPTS), *(["humaneval"] if humaneval > 0 else [])]
     if not categories:
-        return available
+        return default
+    available = default + ([] if chat else list(COMPLETION_EXTRAS))
     wanted = [c.strip() for c in categories.split(",") if c.strip()]
     unknown = [c for c in wanted if c not in available]
     if unknown:
@@ -141,7 +145,7 @@ def categories_to_run(humaneval: int, categories: str | None = None,
 def prompt_sets(humaneval: int, categories: str | None = None,
                 chat: bool = False) -> dict[str, list[str]]:
     """The prompts per category to run (HumanEval's read only when it runs)."""
-    prompts = CHAT_PROMPTS if chat else PROMPTS
+    prompts = CHAT_PROMPTS if chat else {**PROMPTS, **COMPLETION_EXTRAS}
     return {c: humaneval_prompts(humaneval) if c == "humaneval" else list(prompts[c])
             for c in categories_to_run(humaneval, categories, chat)}
 

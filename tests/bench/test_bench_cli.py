@@ -186,6 +186,7 @@ def test_prompt_categories():
     assert spec.prompt_sets(0, "code") == {"code": spec.PROMPTS["code"]}
     # A chat model is asked the held-out requests instead (never in its drafters' data).
     assert spec.categories_to_run(0, chat=True) == ["chat", "code", "edit"]
+    assert spec.prompt_sets(0, "edit") == {"edit": list(heldout.EDIT)}  # as completions
     assert spec.prompt_sets(0, "code", chat=True) == {"code": list(heldout.CODE)}
     assert spec.prompt_sets(0, "edit", chat=True) == {"edit": list(heldout.EDIT)}
 
