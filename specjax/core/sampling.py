@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from pallas_kernels.rejection_sampling import counter_bits, mix32
 from specjax.core.logits import apply_bias
 from specjax.core.penalties import PenaltyState, penalize_draft
+from specjax.core.sharding import whole_vocab
 
 
 # Top-k / top-p cuts are looked for among a row's CANDIDATES largest logits first: a full sort
@@ -181,7 +182,7 @@ def draft_tokens_and_probs(logits: jax.Array, batch, positions: jax.Array,
     greedy rows still take the argmax. The request's logit bias and penalties apply as on the
     target side (`draft_logits`; `drafts` `[B, k]`: the run's drafts before this one).
     """
-    logits = draft_logits(logits, batch, penalties, drafts, num_before)
+    logits = draft_logits(whole_vocab(logits), batch, penalties, drafts, num_before)
     greedy = vocab_argmax(logits)
     if not with_probs:
         return greedy, None

@@ -7,9 +7,11 @@ left (no compile after warm-up).
 
 - target weights: q/k/v and gate/up split by output features (whole heads per device: the
   head counts must divide by the tp size), o/down by input features (XLA adds the all-reduce
-  after them), the embedding and LM head by vocabulary when it divides (argmax, softmax and
-  sampling over sharded logits are reductions XLA partitions exactly; random bits do not
-  depend on the sharding, `jax_threefry_partitionable`); norms replicated.
+  after them), the embedding and LM head by vocabulary when it divides; norms replicated.
+  Logits are gathered whole before anything decides from them (`whole_vocab`): split, a
+  softmax's or an inverse CDF's sum adds each device's part and then the parts, in another
+  order than one device's, and a seeded draw near a CDF boundary would then depend on the
+  device count.
 - the target's KV pool: split over KV heads (`KVPool.mesh`), so each device attends with its
   own heads. Attention and the pool kernels run per device under `shard_map`
   (`heads_local`): a Pallas kernel is opaque to GSPMD, which would gather the pool to run it.
@@ -25,8 +27,10 @@ supplies only its own devices' shards.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import jax
 import numpy as np
@@ -44,6 +48,11 @@ SPLIT_AXIS = {**{n: -1 for n in COLUMN}, **{n: -2 for n in ROW}, "embed": 0, "lm
 
 HEADS = P(None, None, TP, None)              # q / attention output [B, T, H, hd]
 POOL = P(None, None, TP, None, None)         # K/V pool [L, N, KV, bs, hd]
+
+
+# The tensor-parallel plan of the step being traced (`tracing`), else None.
+_TRACED: contextvars.ContextVar[TensorParallel | None] = contextvars.ContextVar("tp_traced",
+                                                                               default=None)
 
 
 def make_mesh(size: int, devices: Sequence[jax.Device] | None = None) -> Mesh:
@@ -138,6 +147,24 @@ class TensorParallel:
         state = jax.lax.with_sharding_constraint(state, self.state_shardings(state))
         out = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, self.sharding()), out)
         return state, out
+
+
+@contextlib.contextmanager
+def tracing(tp: TensorParallel | None) -> Iterator[None]:
+    """Trace a step under `tp` (None: one device): what `whole_vocab` reads."""
+    token = _TRACED.set(tp)
+    try:
+        yield
+    finally:
+        _TRACED.reset(token)
+
+
+def whole_vocab(logits: jax.Array) -> jax.Array:
+    """Inside a step traced under a plan: `logits` (split by vocabulary where the target's LM
+    head is, or a drafter's that shares it) whole on every device, so that softmax, filters
+    and sampling add in one order whatever the device count. Else `logits` as they are."""
+    tp = _TRACED.get()
+    return logits if tp is None else jax.lax.with_sharding_constraint(logits, tp.sharding())
 
 
 def _leaf_name(path) -> str:

@@ -37,7 +37,8 @@ from specjax.core.forward import last_rows, paged_forward
 from specjax.core.logits import apply_bias, apply_token_mask, mask_bits, maybe_logprobs
 from specjax.core.penalties import chain_context, penalize, record_generated, tree_context
 from specjax.core.sampling import sample, sampling_keys
-from specjax.core.sharding import TensorParallel
+from specjax.core import sharding
+from specjax.core.sharding import TensorParallel, whole_vocab
 from specjax.core.state import EngineState, Params, SlotState, write_slots
 from specjax.core.suffix import SuffixSpec, SuffixState, prefer, propose, record, retire
 from specjax.core.tree import relocate_path, tree_accept, tree_layout, tree_rejection_accept
@@ -50,7 +51,7 @@ def _jit(step, tp: TensorParallel | None, pallas: str | None):
     (`TensorParallel.pin`), so the next call does not compile."""
     @functools.wraps(step)
     def traced(params: Params, state: EngineState, batch: StepBatch):
-        with backend.forcing(pallas):
+        with backend.forcing(pallas), sharding.tracing(tp):
             out = step(params, state, batch)
         return out if tp is None else tp.pin(*out)
     return jax.jit(traced, donate_argnums=(1,))
@@ -158,7 +159,7 @@ def make_prefill_step(graphdef: nnx.GraphDef, worker: DraftWorker | None = None,
         kv_target, hidden, captured = paged_forward(model, state.target, batch, capture,
                                                     aux=runs)
         aux = aux_state.commit(state.aux, runs, batch.slots, batch.query_lens, verify=False)
-        raw = model.logits(last_rows(hidden, batch.query_lens))
+        raw = whole_vocab(model.logits(last_rows(hidden, batch.query_lens)))
         logits = target_logits(raw[:, None], state.penalties, batch)[:, 0]
         keys = sampling_keys(batch.seeds, batch.start_pos + batch.query_lens)
         tokens = sample(logits, batch.temperature, batch.top_k, batch.top_p, batch.min_p, keys)
@@ -175,7 +176,8 @@ def make_prefill_step(graphdef: nnx.GraphDef, worker: DraftWorker | None = None,
         after = jnp.concatenate([batch.tokens[:, 1:], following[:, None]], axis=1)
         after = jnp.where(jnp.arange(C) == batch.query_lens[:, None] - 1, following[:, None],
                           after)
-        prompt_logprobs = maybe_logprobs(batch.prompt_logprobs, lambda: model.logits(hidden),
+        prompt_logprobs = maybe_logprobs(batch.prompt_logprobs,
+                                         lambda: whole_vocab(model.logits(hidden)),
                                          after)
         tree = tree_of(worker)
         depth = tree.max_depth if tree else state.slots.run.shape[1] - 1
@@ -312,7 +314,7 @@ def make_generation_step(graphdef: nnx.GraphDef, worker: DraftWorker | None = No
         runs = aux_state.begin(state.aux, batch, verify=D > 0)
         kv_target, hidden, captured = paged_forward(model, state.target, batch, capture,
                                                     layout, aux=runs)
-        raw = model.logits(hidden)
+        raw = whole_vocab(model.logits(hidden))
         logits = target_logits(raw, state.penalties, batch, context)
         real = batch.query_lens > 0
         if tree is None:

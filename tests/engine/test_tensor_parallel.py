@@ -84,6 +84,16 @@ def test_every_mode_at_two_and_four_devices_equals_one(every_mode):
     check_modes(every_mode, SPEC_MODES, [2, 4])
 
 
+def test_draws_on_a_cdf_boundary_do_not_depend_on_the_device_count(every_mode):
+    """Softmax and the inverse CDF over logits split by vocabulary add each device's part,
+    then the parts: a uniform on a CDF boundary (one device's) then draws another token on
+    most rows. Gathered whole first (`whole_vocab`, as every step does before deciding),
+    none does."""
+    draws = every_mode["boundary_draws"]
+    assert draws["split"] > 0, "split logits drew as one device does: the check has no teeth"
+    assert draws["whole_vocab"] == 0, draws
+
+
 def test_weights_and_pool_are_split_by_the_plan(every_mode):
     check_placement(every_mode, [2, 4])
 

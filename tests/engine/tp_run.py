@@ -18,8 +18,12 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
 os.environ.setdefault("SPECJAX_COMPILATION_CACHE", "off")
 
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 
 from specjax import LLM, SamplingParams  # noqa: E402
+from pallas_kernels.rejection_sampling.reference import sample_inverse_cdf  # noqa: E402
+from specjax.core import sharding  # noqa: E402
 from specjax.engine.compile_counter import count_compilations  # noqa: E402
 from specjax.speculative.config import (DFlashConfig, DraftTargetConfig,  # noqa: E402
                                         DSparkConfig, EagleConfig, MTPConfig, NGramConfig,
@@ -130,9 +134,31 @@ def refusals(target) -> dict:
     return out
 
 
+def boundary_draws(rows: int = 512, vocab: int = 4096) -> dict:
+    """Inverse-CDF draws from softmax(logits) with each row's uniform on a CDF boundary (as
+    one device adds it up), logits split by vocabulary over 2 devices: how many differ from
+    one device's, taken split as they are and through `whole_vocab`."""
+    rng = np.random.default_rng(0)
+    logits = (rng.standard_normal((rows, vocab)) * 3).astype(np.float32)
+    draw = lambda x, u: sample_inverse_cdf(jax.nn.softmax(x, axis=-1), u)  # noqa: E731
+    cdf = np.asarray(jax.jit(lambda x: jnp.cumsum(jax.nn.softmax(x, axis=-1), axis=-1))(logits))
+    at = rng.integers(0, vocab // 2, rows)
+    u = (cdf[np.arange(rows), at] / cdf[:, -1]).astype(np.float32)
+    one = np.asarray(jax.jit(draw)(logits, u))
+    tp = sharding.TensorParallel(sharding.make_mesh(2))
+    split = tp.put(logits, tp.sharding(jax.sharding.PartitionSpec(None, sharding.TP)))
+
+    def whole(x, u):
+        with sharding.tracing(tp):
+            return draw(sharding.whole_vocab(x), u)
+    return {"split": int(np.sum(np.asarray(jax.jit(draw)(split, u)) != one)),
+            "whole_vocab": int(np.sum(np.asarray(jax.jit(whole)(split, u)) != one))}
+
+
 def main(spec: dict) -> dict:
     target, perm = perm_target(TP_CFG)
-    out = {"devices": len(jax.devices()), "refusals": refusals(target)}
+    out = {"devices": len(jax.devices()), "refusals": refusals(target),
+           "boundary_draws": boundary_draws()}
     for mode in spec["modes"]:
         out[mode] = {str(size): run(mode, size, target, perm)
                      for size in [1] + [s for s in spec["sizes"] if s != 1]}

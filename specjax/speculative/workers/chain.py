@@ -28,6 +28,7 @@ from specjax.core.batch import StepBatch
 from specjax.core.forward import PagedAttention, context_attention, take_rows
 from specjax.core.kv import KVPool, make_kv_pool
 from specjax.core.sampling import adjusts_logits, draft_tokens_and_probs, vocab_argmax
+from specjax.core.sharding import whole_vocab
 from specjax.core.tree import TreeShape
 from specjax.core.worker import Drafts, WorkerDefaults
 from specjax.models import Llama, load_eagle3_head
@@ -209,7 +210,7 @@ class ChainWorker(WorkerDefaults):
         """A tree node's next-token log-probabilities over the head's vocabulary: from the
         hidden_out `[..., H]` of the row that read its token `tokens` `[...]`."""
         del tokens  # the head's hidden_out already read it
-        return jax.nn.log_softmax(self._draft_logits(head, target, hidden_out))
+        return jax.nn.log_softmax(whole_vocab(self._draft_logits(head, target, hidden_out)))
 
     def _tree(self, head, layer, target, batch, attend, h, newest_token, newest, depth):
         """A dynamic tree of `depth` levels (`grow_tree`): each expanded node is one row, fed
