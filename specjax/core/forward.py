@@ -17,15 +17,15 @@ from specjax.core.tree import TreeLayout
 from specjax.models.llama import NO_WINDOW, Llama, layer_windows
 
 
-def kv_destinations(batch: StepBatch, tokens_per_block: int) -> tuple[jax.Array, jax.Array]:
-    """(block ids, offsets), each `[B, T]`, where the runs' K/V go; padding goes to the null
-    block."""
-    B, T = batch.tokens.shape
+def kv_destinations(batch: StepBatch, tokens_per_block: int
+                    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Where the runs' K/V go in a request's own numbering, each `[B, T]`: the block of its
+    sequence (position // tokens_per_block), the offset in it, and whether the row is real
+    (padding is not)."""
+    T = batch.tokens.shape[1]
     positions = batch.start_pos[:, None] + jnp.arange(T)
     valid = jnp.arange(T) < batch.query_lens[:, None]
-    index = jnp.where(valid, positions // tokens_per_block, 0)
-    blocks = jnp.take_along_axis(batch.block_tables, index, axis=1)
-    return jnp.where(valid, blocks, NULL_BLOCK), positions % tokens_per_block
+    return positions // tokens_per_block, positions % tokens_per_block, valid
 
 
 # Attention over the pool reads the block table this many tokens at a time, only as many chunks
@@ -56,7 +56,11 @@ class PagedAttention:
         self.context_lens = jnp.where(batch.query_lens > 0, batch.start_pos + batch.query_lens,
                                       0)                               # [B]
         self.tokens_per_block = tokens_per_block
-        self.blocks, self.offsets = kv_destinations(batch, tokens_per_block)
+        self.logical, self.offsets, self.valid = kv_destinations(batch, tokens_per_block)
+        # The pool's blocks from the table; padding goes to the null block.
+        blocks = jnp.take_along_axis(batch.block_tables, jnp.where(self.valid, self.logical, 0),
+                                     axis=1)
+        self.blocks = jnp.where(self.valid, blocks, NULL_BLOCK)
 
     def _place(self, layer, pool: KVPool) -> tuple[bool, object]:
         """(whether attention layer `layer` lives in the pool's ring, its index there)."""
@@ -69,14 +73,9 @@ class PagedAttention:
 
     def _ring_destinations(self, pool: KVPool) -> jax.Array:
         """`[B, T]` ring blocks of the runs' K/V; padding goes to the spare's ring."""
-        b = self.batch
-        T = b.tokens.shape[1]
-        positions = b.start_pos[:, None] + jnp.arange(T)
-        valid = jnp.arange(T) < b.query_lens[:, None]
         spare = pool.ring_k.shape[1] - pool.ring_blocks
-        ring = b.slots[:, None] * pool.ring_blocks + (positions // self.tokens_per_block
-                                                      ) % pool.ring_blocks
-        return jnp.where(valid, ring, spare)
+        ring = self.batch.slots[:, None] * pool.ring_blocks + self.logical % pool.ring_blocks
+        return jnp.where(self.valid, ring, spare)
 
     def write(self, k: jax.Array, v: jax.Array, layer, pool: KVPool) -> KVPool:
         # Index arrays split by the heads' slice put their dims first: the update is k's

@@ -115,16 +115,17 @@ def free_memory(device=None) -> int | None:
 
 
 def kv_sizing(config: EngineConfig, speculation, max_len: int, mc: ModelConfig | None = None,
-              free: int | None = None) -> tuple[int, int]:
+              free: int | None = None, tp: TensorParallel | None = None) -> tuple[int, int]:
     """(blocks per request, blocks in the pool).
 
     A request's ledger reaches its context plus what a generation step may reserve past its
     newest token. The pool, unless `num_kv_blocks` says: room for `max_batch_size` requests of
     min(max_model_len, TYPICAL_CONTEXT) tokens, at most `kv_memory_fraction` of the memory
-    `free` now (counting the target `mc`'s pool: drafters' are small beside it), never less
-    than one request of max_model_len; plus the null block. Requests that outgrow it wait or
-    are preempted (recomputed later), never lost: a model whose maximum is 8192 does not hold
-    max_batch_size x 8192 tokens of K/V for the rare request that reaches it."""
+    `free` now (counting the target `mc`'s pool on the plan `tp` that `for_model` made:
+    drafters' are small beside it), never less than one request of max_model_len; plus the
+    null block. Requests that outgrow it wait or are preempted (recomputed later), never
+    lost: a model whose maximum is 8192 does not hold max_batch_size x 8192 tokens of K/V for
+    the rare request that reaches it."""
     D = speculation.max_draft_len
     reserve = kv_reserve(D, speculation.drafts_in_step, speculation.verify_len(D))
     blocks_per_seq = -(-(max_len - 1 + reserve) // config.tokens_per_block)
@@ -137,7 +138,7 @@ def kv_sizing(config: EngineConfig, speculation, max_len: int, mc: ModelConfig |
     typical = -(-(min(max_len, TYPICAL_CONTEXT) - 1 + reserve) // config.tokens_per_block)
     wanted = config.max_batch_size * typical
     if mc is not None and free is not None:
-        local = local_kv_layers(config, mc, config.tensor_parallel(), max_len)
+        local = local_kv_layers(config, mc, tp, max_len)
         pooled = len(mc.kv_layers) - sum(local)  # the layers whose K/V the blocks hold
         block_bytes = max(1, config.tokens_per_block * mc.kv_bytes_per_token * pooled
                           // len(mc.kv_layers))

@@ -67,7 +67,7 @@ class Engine:
         self.gate = spec.make_gate()
         self.recorder = (HiddenStateRecorder(spec.save_hidden_states, spec.save_layers)
                          if spec.save_hidden_states else None)
-        blocks_per_seq, num_blocks = kv_sizing(config, spec, self.max_len, mc, free_memory())
+        blocks_per_seq, num_blocks = kv_sizing(config, spec, self.max_len, mc, free_memory(), tp)
         self.allocator = BlockAllocator(num_blocks, config.tokens_per_block, pool_lookahead(spec.worker))
         self.prefix_cache = (PrefixCachePolicy(self.allocator, self.stats,
                                                prefill_only=not rewrites_committed(spec.worker),
