@@ -12,8 +12,9 @@
 // logits equal the plain step's exactly (greedy speculative output equals plain greedy).
 //
 // Quantized weights (quant.py: GGUF's blocks repacked into the same panels, 4- or 8-bit integers
-// q with a float scale s and min m per column and block of qk inputs, W = q * s + m; the k's
-// interleaved in pairs) stream the same way at a quarter or an eighth of the bytes, and the
+// q with a scale s and min m per column and block of qk inputs, W = q * s + m, in float32, or in
+// half precision where GGUF's own are (the _0 and _1 types: 5 and 9 bits a weight, not 6 and 10);
+// the k's interleaved in pairs) stream the same way at a quarter or an eighth of the bytes, and the
 // products are integer ones: each row of x is quantized per block to 16 bits (xq = x / dx,
 // dx = max |x| / 32767: a relative error of 2^-16 of the block's largest entry, where the
 // weights' own is 2^-4..2^-8), and a block's sum_k xq_k q_k is exact in int32 (VNNI's
@@ -51,16 +52,20 @@ constexpr int64_t kPrefetchRows = 64;
 
 // A quantized weight's layout (quant.py): per panel nb block rows of row_bytes, each qk k's
 // of values (bits 4: PANEL / 2 bytes a k, column j in byte j % 16's low (j < 16) or high
-// nibble; 8: PANEL int8; the two k's of a pair interleaved byte by byte) then PANEL float
-// scales and PANEL float mins.
+// nibble; 8: PANEL int8; the two k's of a pair interleaved byte by byte) then PANEL scales and
+// PANEL mins, float32 or (half) float16. A half is widened exactly: the products that follow
+// are the float32 layout's to the bit.
 struct QuantLayout {
   const uint8_t* q = nullptr;  // [P, nb, row_bytes]; null: the weight is float (Problem::w)
   // Per call (QuantizedRows): x in 16 bits [M, K], its scales and block sums [M, nb].
   const int16_t* xq = nullptr;
   const float *dx = nullptr, *xsum = nullptr;
   int bits = 0;
+  bool half = false;
   int64_t qk = 0, nb = 0, row_bytes = 0;
-  int kind() const { return bits == 4 ? 0 : qk == 32 ? 1 : 2; }  // Isa::quant's first index
+  int kind() const {  // Isa::quant's first index
+    return (half ? 3 : 0) + (bits == 4 ? 0 : qk == 32 ? 1 : 2);
+  }
 };
 
 struct Problem {
@@ -98,7 +103,8 @@ struct Isa {
   int64_t max_rows;
   MicroFn micro[16];  // by rows - 1
   int64_t quant_rows;
-  QuantFn quant[3][16];  // [4 bits; 8 bits, qk 32; 8 bits, qk 16][rows - 1]
+  // [4 bits; 8 bits, qk 32; 8 bits, qk 16; the first two with half scales][rows - 1]
+  QuantFn quant[5][16];
 };
 
 // One row's 16-bit pair (xq[k], xq[k + 1]) as the 32-bit word the integer dot instructions take.
@@ -113,14 +119,43 @@ inline float block_end(float y, int32_t sum, float s, float dx, float m, float x
   return __builtin_fmaf(xsum, m, __builtin_fmaf((float)sum, s * dx, y));
 }
 
+// A half-precision value as float32 (exact: every half is a float).
+inline float half_to_float(uint16_t h) {
+  const uint32_t sign = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 0x1F, m = h & 0x3FF;
+  uint32_t bits;
+  if (e == 0) {  // zero or subnormal: m * 2^-24, exact in float
+    const float f = (float)m * 5.9604644775390625e-8f;
+    std::memcpy(&bits, &f, 4);
+    bits |= sign;
+  } else {
+    bits = sign | (e == 31 ? 0x7F800000u : (e + 112) << 23) | (m << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// Column j's scale (what = 0) or min (what = 1) in a block row's tail.
+template <bool HALF>
+inline float tail_at(const uint8_t* tail, int what, int64_t j) {
+  if (HALF) {
+    uint16_t h;
+    std::memcpy(&h, tail + 2 * (what * PANEL + j), 2);
+    return half_to_float(h);
+  }
+  float f;
+  std::memcpy(&f, tail + 4 * (what * PANEL + j), 4);
+  return f;
+}
+
 // ---- portable, the reference for the vector paths below -----------------------------------
-template <int BITS, int QK, int R>
+template <int BITS, int QK, bool HALF, int R>
 void quant_portable(const int16_t* xq, const float* dx, const float* xsum, int64_t K,
                     const uint8_t* panel, const QuantLayout& ql, float* y, int64_t ldy) {
   float acc[R][PANEL] = {};
   for (int64_t b = 0; b < ql.nb; ++b) {
     const uint8_t* v = panel + b * ql.row_bytes;
-    const float* s = reinterpret_cast<const float*>(v + QK * PANEL * BITS / 8);
+    const uint8_t* tail = v + QK * PANEL * BITS / 8;
     int32_t c[R][PANEL] = {};
     for (int k = 0; k < QK; ++k)
       for (int64_t j = 0; j < PANEL; ++j) {
@@ -132,8 +167,8 @@ void quant_portable(const int16_t* xq, const float* dx, const float* xsum, int64
       }
     for (int r = 0; r < R; ++r)
       for (int64_t j = 0; j < PANEL; ++j)
-        acc[r][j] = block_end(acc[r][j], c[r][j], s[j], dx[r * ql.nb + b], s[PANEL + j],
-                              xsum[r * ql.nb + b]);
+        acc[r][j] = block_end(acc[r][j], c[r][j], tail_at<HALF>(tail, 0, j),
+                              dx[r * ql.nb + b], tail_at<HALF>(tail, 1, j), xsum[r * ql.nb + b]);
   }
   for (int r = 0; r < R; ++r)
     for (int64_t j = 0; j < PANEL; ++j) y[r * ldy + j] = acc[r][j];
@@ -208,7 +243,16 @@ __attribute__((target("avx512f,avx512bw"))) inline void q_avx512(const uint8_t* 
 
 // Up to 6 rows: 2 zmm of y and 2 of the block's integer sums a row, one vpdpwssd a 16
 // columns x 2 k's. (A CPU with AVX-512 but not VNNI runs the AVX2 path's.)
-template <int BITS, int QK, int R>
+// 16 of a block row's scales (what = 0) or mins (1) from column c, as floats.
+template <bool HALF>
+__attribute__((target("avx512f"))) inline __m512 tail16_avx512(const uint8_t* tail, int what,
+                                                              int c) {
+  if (HALF)
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(tail + 2 * (what * PANEL + c))));
+  return _mm512_loadu_ps((const float*)(tail + 4 * (what * PANEL + c)));
+}
+
+template <int BITS, int QK, bool HALF, int R>
 __attribute__((target("avx512f,avx512bw,avx512vnni"))) void quant_avx512(
     const int16_t* xq, const float* dx, const float* xsum, int64_t K, const uint8_t* panel,
     const QuantLayout& ql, float* y, int64_t ldy) {
@@ -217,7 +261,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void quant_avx512(
   for (int64_t b = 0; b < ql.nb; ++b) {
     const uint8_t* v = panel + b * ql.row_bytes;
     prefetch_block(v, ql.row_bytes);
-    const float* s = reinterpret_cast<const float*>(v + QK * PANEL * BITS / 8);
+    const uint8_t* tail = v + QK * PANEL * BITS / 8;
     const int16_t* xb = xq + b * QK;
     __m512i c0[R], c1[R];
     for (int r = 0; r < R; ++r) c0[r] = c1[r] = _mm512_setzero_si512();
@@ -230,8 +274,8 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void quant_avx512(
         c1[r] = _mm512_dpwssd_epi32(c1[r], a1, bx);
       }
     }
-    const __m512 s0 = _mm512_loadu_ps(s), s1 = _mm512_loadu_ps(s + 16);
-    const __m512 m0 = _mm512_loadu_ps(s + PANEL), m1 = _mm512_loadu_ps(s + PANEL + 16);
+    const __m512 s0 = tail16_avx512<HALF>(tail, 0, 0), s1 = tail16_avx512<HALF>(tail, 0, 16);
+    const __m512 m0 = tail16_avx512<HALF>(tail, 1, 0), m1 = tail16_avx512<HALF>(tail, 1, 16);
     for (int r = 0; r < R; ++r) {
       const __m512 d = _mm512_set1_ps(dx[r * ql.nb + b]);
       const __m512 xs = _mm512_set1_ps(xsum[r * ql.nb + b]);
@@ -282,9 +326,18 @@ __attribute__((target("avx2,fma"))) void micro_avx2(const float* x, int64_t ldx,
     for (int v = 0; v < 4; ++v) _mm256_maskstore_ps(y + r * ldy + 8 * v, m[v], a[r][v]);
 }
 
+// 8 of a block row's scales (what = 0) or mins (1) from column c, as floats.
+template <bool HALF>
+__attribute__((target("avx2,f16c"))) inline __m256 tail8_avx2(const uint8_t* tail, int what,
+                                                             int c) {
+  if (HALF)
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(tail + 2 * (what * PANEL + c))));
+  return _mm256_loadu_ps((const float*)(tail + 4 * (what * PANEL + c)));
+}
+
 // Up to 3 rows, a half panel (16 columns: 2 ymm of y and 2 of integer sums a row) at a time.
-template <int BITS, int QK, int R>
-__attribute__((target("avx2,fma"))) void quant_avx2(const int16_t* xq, const float* dx,
+template <int BITS, int QK, bool HALF, int R>
+__attribute__((target("avx2,fma,f16c"))) void quant_avx2(const int16_t* xq, const float* dx,
                                                     const float* xsum, int64_t K,
                                                     const uint8_t* panel, const QuantLayout& ql,
                                                     float* y, int64_t ldy) {
@@ -294,7 +347,7 @@ __attribute__((target("avx2,fma"))) void quant_avx2(const int16_t* xq, const flo
     for (int64_t b = 0; b < ql.nb; ++b) {
       const uint8_t* v = panel + b * ql.row_bytes;
       if (h == 0) prefetch_block(v, ql.row_bytes);
-      const float* s = reinterpret_cast<const float*>(v + QK * PANEL * BITS / 8) + 16 * h;
+      const uint8_t* tail = v + QK * PANEL * BITS / 8;
       const int16_t* xb = xq + b * QK;
       __m256i c0[R], c1[R];
       for (int r = 0; r < R; ++r) c0[r] = c1[r] = _mm256_setzero_si256();
@@ -316,8 +369,10 @@ __attribute__((target("avx2,fma"))) void quant_avx2(const int16_t* xq, const flo
           c1[r] = _mm256_add_epi32(c1[r], _mm256_madd_epi16(a1, bx));
         }
       }
-      const __m256 s0 = _mm256_loadu_ps(s), s1 = _mm256_loadu_ps(s + 8);
-      const __m256 m0 = _mm256_loadu_ps(s + PANEL), m1 = _mm256_loadu_ps(s + PANEL + 8);
+      const __m256 s0 = tail8_avx2<HALF>(tail, 0, 16 * h);
+      const __m256 s1 = tail8_avx2<HALF>(tail, 0, 16 * h + 8);
+      const __m256 m0 = tail8_avx2<HALF>(tail, 1, 16 * h);
+      const __m256 m1 = tail8_avx2<HALF>(tail, 1, 16 * h + 8);
       for (int r = 0; r < R; ++r) {
         const __m256 d = _mm256_set1_ps(dx[r * ql.nb + b]);
         const __m256 xs = _mm256_set1_ps(xsum[r * ql.nb + b]);
@@ -339,25 +394,26 @@ __attribute__((target("avx2,fma"))) void quant_avx2(const int16_t* xq, const flo
   {FN<1>, FN<2>, FN<3>, FN<4>, FN<5>, FN<6>, FN<7>, FN<8>, FN<9>, FN<10>, FN<11>, \
    FN<12>, nullptr, nullptr, nullptr, nullptr}
 
-#define SPECJAX_QUANT(FN, B, QK) {FN<B, QK, 1>, FN<B, QK, 2>, FN<B, QK, 3>, FN<B, QK, 4>}
-#define SPECJAX_QUANT6(FN, B, QK) \
-  {FN<B, QK, 1>, FN<B, QK, 2>, FN<B, QK, 3>, FN<B, QK, 4>, FN<B, QK, 5>, FN<B, QK, 6>}
-#define SPECJAX_QUANT3(FN, B, QK) {FN<B, QK, 1>, FN<B, QK, 2>, FN<B, QK, 3>}
+#define SPECJAX_QUANT(FN, B, QK, H) {FN<B, QK, H, 1>, FN<B, QK, H, 2>, FN<B, QK, H, 3>, \
+                                     FN<B, QK, H, 4>}
+#define SPECJAX_QUANT6(FN, B, QK, H) {FN<B, QK, H, 1>, FN<B, QK, H, 2>, FN<B, QK, H, 3>, \
+                                      FN<B, QK, H, 4>, FN<B, QK, H, 5>, FN<B, QK, H, 6>}
+#define SPECJAX_QUANT3(FN, B, QK, H) {FN<B, QK, H, 1>, FN<B, QK, H, 2>, FN<B, QK, H, 3>}
+// Isa::quant's five kinds (QuantLayout::kind).
+#define SPECJAX_KINDS(Q, FN)                                                      \
+  {Q(FN, 4, 32, false), Q(FN, 8, 32, false), Q(FN, 8, 16, false), Q(FN, 4, 32, true), \
+   Q(FN, 8, 32, true)}
 
 const Isa kPortable{"portable", 4, {micro_portable<1>, micro_portable<2>, micro_portable<3>,
                                     micro_portable<4>}, 4,
-                    {SPECJAX_QUANT(quant_portable, 4, 32), SPECJAX_QUANT(quant_portable, 8, 32),
-                     SPECJAX_QUANT(quant_portable, 8, 16)}};
+                    SPECJAX_KINDS(SPECJAX_QUANT, quant_portable)};
 #ifdef SPECJAX_X86
 const Isa kAvx512{"avx512", 12, SPECJAX_TABLE(micro_avx512), 6,
-                  {SPECJAX_QUANT6(quant_avx512, 4, 32), SPECJAX_QUANT6(quant_avx512, 8, 32),
-                   SPECJAX_QUANT6(quant_avx512, 8, 16)}};
+                  SPECJAX_KINDS(SPECJAX_QUANT6, quant_avx512)};
 const Isa kAvx512NoVnni{"avx512", 12, SPECJAX_TABLE(micro_avx512), 3,
-                        {SPECJAX_QUANT3(quant_avx2, 4, 32), SPECJAX_QUANT3(quant_avx2, 8, 32),
-                         SPECJAX_QUANT3(quant_avx2, 8, 16)}};
+                        SPECJAX_KINDS(SPECJAX_QUANT3, quant_avx2)};
 const Isa kAvx2{"avx2", 3, {micro_avx2<1>, micro_avx2<2>, micro_avx2<3>}, 3,
-                {SPECJAX_QUANT3(quant_avx2, 4, 32), SPECJAX_QUANT3(quant_avx2, 8, 32),
-                 SPECJAX_QUANT3(quant_avx2, 8, 16)}};
+                SPECJAX_KINDS(SPECJAX_QUANT3, quant_avx2)};
 #endif
 
 #ifdef SPECJAX_X86
@@ -375,7 +431,7 @@ const Isa* detect() {
   if ((want || std::strcmp(forced, "avx512") == 0) && __builtin_cpu_supports("avx512f"))
     return avx512();
   if ((want || std::strcmp(forced, "avx2") == 0) && __builtin_cpu_supports("avx2") &&
-      __builtin_cpu_supports("fma"))
+      __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
     return &kAvx2;
 #endif
   return &kPortable;
@@ -449,16 +505,20 @@ ffi::Error matmul_f32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   return run(pool, pr);
 }
 
-// The layout a quantized weight's value width and block row size name (quant.py: format_of).
+// The layout a quantized weight's value width and block row size name (quant.py: format_of):
+// blocks of 32 with float32 or half tails, blocks of 16 (8 bits) with float32 ones.
 bool quant_layout(int bits, int64_t row_bytes, QuantLayout* ql) {
-  for (const int64_t qk : {32, 16}) {
-    if ((bits == 8 || qk == 32) && qk * PANEL * bits / 8 + 2 * PANEL * 4 == row_bytes) {
-      ql->bits = bits;
-      ql->qk = qk;
-      ql->row_bytes = row_bytes;
-      return true;
+  for (const bool half : {false, true})
+    for (const int64_t qk : {32, 16}) {
+      if ((bits == 8 || qk == 32) && (!half || qk == 32) &&
+          qk * PANEL * bits / 8 + 2 * PANEL * (half ? 2 : 4) == row_bytes) {
+        ql->bits = bits;
+        ql->half = half;
+        ql->qk = qk;
+        ql->row_bytes = row_bytes;
+        return true;
+      }
     }
-  }
   return false;
 }
 
@@ -566,7 +626,7 @@ const Isa* named(const char* name) {
   __builtin_cpu_init();
   if (std::strcmp(name, "avx512") == 0 && __builtin_cpu_supports("avx512f")) is = avx512();
   if (std::strcmp(name, "avx2") == 0 && __builtin_cpu_supports("avx2") &&
-      __builtin_cpu_supports("fma"))
+      __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
     is = &kAvx2;
 #endif
   return is;

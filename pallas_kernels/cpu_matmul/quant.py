@@ -7,8 +7,10 @@ columns and blocks of `qk` inputs: `packed [..., N / PANEL, K / qk, R]` bytes, e
     values: qk x PANEL, in pairs of k's (4 bits: PANEL / 2 bytes a k, byte j holding column
             j in its low nibble and column j + 16 in its high one; 8 bits: one int8 a
             column), the two k's of a pair interleaved byte by byte
-    scale:  PANEL float32     min: PANEL float32       W[k, n] = q * scale + min
+    scale:  PANEL floats      min: PANEL floats        W[k, n] = q * scale + min
 
+the floats float32, or float16 where GGUF's own scale and min are (the _0 and _1 types: a
+half widens exactly, so the kernel's products are the same bit for bit, from fewer bytes),
 so the kernel streams each panel front to back and widens a pair of k's `PANEL` integers to
 the 16-bit pairs its integer dot instructions take with a few vector instructions, once for
 every row of x (kernel.cc). Every type GGUF files use maps onto
@@ -16,16 +18,18 @@ it exactly: `scale * q` is exact in float32 for each (a half-precision scale, ti
 8-bit integer, times a 6-bit one for the K types' sub-block scales), so `q * scale + min` rounds
 once, where the `gguf` package's dequantization rounds once too: the same floats, bit for bit.
 
-    type   values  qk   scale        min          bytes a weight (file)
-    Q8_0   int8    32   d            0            1.25   (1.0625)
-    Q4_0   4 bits  32   d            -8 d         0.75   (0.5625)
-    Q4_1   4 bits  32   d            m            0.75   (0.625)
-    Q4_K   4 bits  32   d * sc       -dmin * m    0.75   (0.5625)
-    Q5_K   int8    32   d * sc       -dmin * m    1.25   (0.6875)
-    Q6_K   int8    16   d * sc       0            1.5    (0.8125)
+    type   values  qk   scale        min          floats   bytes a weight (file)
+    Q8_0   int8    32   d            0            half     1.125  (1.0625)
+    Q4_0   4 bits  32   d            -8 d         half     0.625  (0.5625)
+    Q4_1   4 bits  32   d            m            half     0.625  (0.625)
+    Q5_0   int8    32   d            -16 d        half     1.125  (0.6875)
+    Q5_1   int8    32   d            m            half     1.125  (0.75)
+    Q4_K   4 bits  32   d * sc       -dmin * m    float32  0.75   (0.5625)
+    Q5_K   int8    32   d * sc       -dmin * m    float32  1.25   (0.6875)
+    Q6_K   int8    16   d * sc       0            float32  1.5    (0.8125)
 
-The dtype and the row size tell the formats apart: uint8 is 4 bits (R = 768), int8 is 8 bits
-with qk 32 (R = 1280) or 16 (R = 768).
+The dtype and the row size tell the formats apart: uint8 is 4 bits (R = 768, or 640 with
+halves), int8 is 8 bits with qk 32 (R = 1280, or 1152 with halves) or 16 (R = 768).
 """
 from __future__ import annotations
 
@@ -42,8 +46,9 @@ TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 
 
 class Format(NamedTuple):
-    bits: int    # 4 (uint8, two values a byte) or 8 (int8)
-    qk: int      # inputs (k) a scale and a min cover
+    bits: int            # 4 (uint8, two values a byte) or 8 (int8)
+    qk: int              # inputs (k) a scale and a min cover
+    half: bool = False   # scales and mins in float16 (blocks of 32 only), else float32
 
     @property
     def value_bytes(self) -> int:
@@ -51,17 +56,23 @@ class Format(NamedTuple):
         return self.qk * PANEL * self.bits // 8
 
     @property
+    def float_bytes(self) -> int:
+        return 2 if self.half else 4
+
+    @property
     def row_bytes(self) -> int:
-        return self.value_bytes + 2 * PANEL * 4
+        return self.value_bytes + 2 * PANEL * self.float_bytes
 
     @property
     def dtype(self):
         return np.uint8 if self.bits == 4 else np.int8
 
 
-FORMATS = {"Q8_0": Format(8, 32), "Q4_0": Format(4, 32), "Q4_1": Format(4, 32),
-           "Q5_0": Format(8, 32), "Q5_1": Format(8, 32),
+FORMATS = {"Q8_0": Format(8, 32, True), "Q4_0": Format(4, 32, True),
+           "Q4_1": Format(4, 32, True), "Q5_0": Format(8, 32, True), "Q5_1": Format(8, 32, True),
            "Q4_K": Format(4, 32), "Q5_K": Format(8, 32), "Q6_K": Format(8, 16)}
+LAYOUTS = (Format(4, 32), Format(8, 32), Format(8, 16), Format(4, 32, True),
+           Format(8, 32, True))  # what kernel.cc's quant_layout accepts
 
 
 def format_of(packed) -> Format | None:
@@ -70,7 +81,7 @@ def format_of(packed) -> Format | None:
     if getattr(packed, "ndim", 0) < 3:
         return None
     dtype, r = np.dtype(packed.dtype), packed.shape[-1]
-    for f in (Format(4, 32), Format(8, 32), Format(8, 16)):
+    for f in LAYOUTS:
         if dtype == f.dtype and r == f.row_bytes:
             return f
     return None
@@ -192,8 +203,11 @@ def pack_values(q: np.ndarray, scale: np.ndarray, mn: np.ndarray, f: Format) -> 
     else:
         v = v.astype(np.int8).view(np.uint8)
     v = v.reshape(p, nb, f.qk // 2, 2, -1).swapaxes(-1, -2)  # a pair's bytes interleaved
+    if f.half and not all(np.array_equal(a.astype(np.float16).astype(np.float32), a)
+                          for a in (scale, mn)):
+        raise ValueError("a scale or min is not a float16: this layout would round it")
     side = lambda a: np.ascontiguousarray(
-        a.reshape(p, PANEL, nb).transpose(0, 2, 1).astype("<f4")).view(np.uint8)
+        a.reshape(p, PANEL, nb).transpose(0, 2, 1).astype(f"<f{f.float_bytes}")).view(np.uint8)
     out = np.concatenate([v.reshape(p, nb, -1), side(scale), side(mn)], axis=-1)
     return out.view(f.dtype)
 
@@ -214,7 +228,8 @@ def _split(packed: jax.Array) -> tuple[Format, jax.Array, jax.Array, jax.Array]:
     else:
         q = jax.lax.bitcast_convert_type(values, jnp.int8).astype(jnp.float32)
     floats = jax.lax.bitcast_convert_type(
-        raw[..., f.value_bytes:].reshape(*lead, 2 * PANEL, 4), jnp.float32)
+        raw[..., f.value_bytes:].reshape(*lead, 2 * PANEL, f.float_bytes),
+        jnp.float16 if f.half else jnp.float32).astype(jnp.float32)
     scale = floats[..., None, :PANEL]
     mn = floats[..., None, PANEL:]
     return f, q, scale, mn
@@ -244,9 +259,11 @@ def take_columns(packed: jax.Array, ids: jax.Array) -> jax.Array:
         q = (v >> (4 * (c // (PANEL // 2))).astype(jnp.uint8)) & 0x0F
     else:
         q = jax.lax.bitcast_convert_type(raw[p, blocks, at(c)], jnp.int8)
+    size = f.float_bytes
     side = lambda at: jax.lax.bitcast_convert_type(
-        raw[p, blocks, at + 4 * c + jnp.arange(4)], jnp.float32)[..., None]  # [..., nb, 1]
-    scale, mn = side(f.value_bytes), side(f.value_bytes + 4 * PANEL)
+        raw[p, blocks, at + size * c + jnp.arange(size)],
+        jnp.float16 if f.half else jnp.float32).astype(jnp.float32)[..., None]  # [..., nb, 1]
+    scale, mn = side(f.value_bytes), side(f.value_bytes + size * PANEL)
     return (q.astype(jnp.float32) * scale + mn).reshape(*ids.shape, -1)
 
 
@@ -259,9 +276,10 @@ def quant_matmul_reference(x: jax.Array, packed: jax.Array) -> jax.Array:
 def common_format(formats) -> Format:
     """The one layout every one of `formats` converts to exactly: 8 bits if any is (a 4-bit
     value is an int8 too), blocks of 16 if any is (a block of 32 is two of 16, its scale and
-    min repeated)."""
+    min repeated), half floats only if every one has them."""
     formats = list(formats)
-    return Format(max(f.bits for f in formats), min(f.qk for f in formats))
+    qk = min(f.qk for f in formats)
+    return Format(max(f.bits for f in formats), qk, qk == 32 and all(f.half for f in formats))
 
 
 def pack_gguf_stack(tensors) -> np.ndarray:

@@ -154,7 +154,7 @@ def test_quantized_weights_stay_quantized_in_one_layout_a_parameter(written):
     layers = q.layer_params()
     assert {k for k, v in layers.items() if quant.is_quantized(v)} == {
         "v_proj", "gate_proj", "up_proj", "down_proj"}  # q, k, o: a float layer among them
-    assert quant.format_of(layers["v_proj"][0]) == quant.Format(8, 32)    # Q4_1 + Q5_0
+    assert quant.format_of(layers["v_proj"][0]) == quant.Format(8, 32, half=True)  # Q4_1+Q5_0
     assert quant.format_of(layers["gate_proj"][0]) == quant.Format(8, 16)  # Q4_K + Q6_K
     assert quant.is_quantized(q.embed[...]) and not quant.is_quantized(q.lm_head[...])
     for key in ("v_proj", "down_proj"):

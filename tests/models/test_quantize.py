@@ -38,7 +38,7 @@ def test_projections_become_the_gguf_packages_blocks(kind, qtype, bits):
     # the tied embedding: the LM head's layout at Q8_0, looked up by column
     assert quant.format_of(q.embed[...]) == quant.FORMATS["Q8_0"]
     head = gguf_round_trip(np.asarray(model.embed[...]).T, "Q8_0")
-    assert q.head_weight().shape == (8, 2, 1280)  # 256 outputs, 64 inputs: 8 panels x 2 blocks
+    assert q.head_weight().shape == (8, 2, 1152)  # 256 outputs, 64 inputs: 8 panels x 2 blocks
     np.testing.assert_array_equal(np.asarray(q.embed_tokens(jnp.asarray([[3, 200]]))),
                                   head.T[[[3, 200]]])
     assert not quant.is_quantized(model.embed[...])  # the original is left as it was

@@ -71,9 +71,34 @@ def test_mixed_types_stack_in_one_layout_that_holds_each_exactly():
     tensors = [(gguf_blocks(t, 32, K, seed=i), t) for i, t in enumerate(("Q4_K", "Q6_K", "Q4_1"))]
     stacked = quant.pack_gguf_stack(tensors)
     assert quant.format_of(stacked[0]) == quant.Format(8, 16)  # the widest: 8 bits, qk 16
+    # half floats only where every layer's are halves
+    assert quant.common_format(quant.FORMATS[t] for t in ("Q4_1", "Q5_0")) == (8, 32, True)
+    assert quant.common_format(quant.FORMATS[t] for t in ("Q8_0", "Q4_K")) == (8, 32, False)
     for layer, (raw, t) in zip(stacked, tensors):
         np.testing.assert_array_equal(np.asarray(quant.dequantize(jnp.asarray(layer))),
                                       as_float(raw, t))
+
+
+@pytest.mark.skipif(cpu_matmul.library_path() is None, reason="the kernel is not built")
+@pytest.mark.parametrize("isa", ISAS)
+def test_half_floats_give_the_float32_layouts_products_bit_for_bit(isa):
+    """The _0 and _1 types keep GGUF's half-precision scales and mins as halves (fewer bytes a
+    step streams); widened exactly, they give the float32 layout's results to the bit, and
+    both dequantize alike."""
+    lib, x = _lib(), np.random.default_rng(4).standard_normal((7, K)).astype(np.float32)
+    for qtype in ("Q8_0", "Q4_1", "Q5_0"):
+        q, scale, mn = quant.unpack_blocks(gguf_blocks(qtype, 2 * PANEL, K), qtype)
+        half = quant.pack_values(q, scale, mn, quant.FORMATS[qtype])
+        wide = quant.pack_values(q, scale, mn, quant.FORMATS[qtype]._replace(half=False))
+        assert quant.format_of(half).half and half.nbytes < wide.nbytes
+        np.testing.assert_array_equal(np.asarray(quant.dequantize(jnp.asarray(half))),
+                                      np.asarray(quant.dequantize(jnp.asarray(wide))))
+        y = _run_quant(lib, isa, x, half)
+        if y is None:
+            pytest.skip(f"this CPU has no {isa}")
+        np.testing.assert_array_equal(y, _run_quant(lib, isa, x, wide), err_msg=qtype)
+    with pytest.raises(ValueError, match="not a float16"):
+        quant.pack_values(q, scale * np.float32(1 + 2 ** -20), mn, quant.FORMATS["Q5_0"])
 
 
 def _run_quant(lib, isa, x, packed):
