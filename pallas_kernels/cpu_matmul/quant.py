@@ -60,6 +60,10 @@ class Format(NamedTuple):
         return 2 if self.half else 4
 
     @property
+    def float_dtype(self):
+        return jnp.float16 if self.half else jnp.float32
+
+    @property
     def row_bytes(self) -> int:
         return self.value_bytes + 2 * PANEL * self.float_bytes
 
@@ -229,7 +233,7 @@ def _split(packed: jax.Array) -> tuple[Format, jax.Array, jax.Array, jax.Array]:
         q = jax.lax.bitcast_convert_type(values, jnp.int8).astype(jnp.float32)
     floats = jax.lax.bitcast_convert_type(
         raw[..., f.value_bytes:].reshape(*lead, 2 * PANEL, f.float_bytes),
-        jnp.float16 if f.half else jnp.float32).astype(jnp.float32)
+        f.float_dtype).astype(jnp.float32)
     scale = floats[..., None, :PANEL]
     mn = floats[..., None, PANEL:]
     return f, q, scale, mn
@@ -262,7 +266,7 @@ def take_columns(packed: jax.Array, ids: jax.Array) -> jax.Array:
     size = f.float_bytes
     side = lambda at: jax.lax.bitcast_convert_type(
         raw[p, blocks, at + size * c + jnp.arange(size)],
-        jnp.float16 if f.half else jnp.float32).astype(jnp.float32)[..., None]  # [..., nb, 1]
+        f.float_dtype).astype(jnp.float32)[..., None]  # [..., nb, 1]
     scale, mn = side(f.value_bytes), side(f.value_bytes + size * PANEL)
     return (q.astype(jnp.float32) * scale + mn).reshape(*ids.shape, -1)
 

@@ -37,8 +37,7 @@ from specjax.core.forward import last_rows, paged_forward
 from specjax.core.logits import apply_bias, apply_token_mask, mask_bits, maybe_logprobs
 from specjax.core.penalties import chain_context, penalize, record_generated, tree_context
 from specjax.core.sampling import sample, sampling_keys
-from specjax.core import sharding
-from specjax.core.sharding import TensorParallel, whole_vocab
+from specjax.core.sharding import TensorParallel, tracing, whole_vocab
 from specjax.core.state import EngineState, Params, SlotState, write_slots
 from specjax.core.suffix import SuffixSpec, SuffixState, prefer, propose, record, retire
 from specjax.core.tree import relocate_path, tree_accept, tree_layout, tree_rejection_accept
@@ -51,7 +50,7 @@ def _jit(step, tp: TensorParallel | None, pallas: str | None):
     (`TensorParallel.pin`), so the next call does not compile."""
     @functools.wraps(step)
     def traced(params: Params, state: EngineState, batch: StepBatch):
-        with backend.forcing(pallas), sharding.tracing(tp):
+        with backend.forcing(pallas), tracing(tp):
             out = step(params, state, batch)
         return out if tp is None else tp.pin(*out)
     return jax.jit(traced, donate_argnums=(1,))
