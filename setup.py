@@ -1,4 +1,5 @@
-"""Builds the CPU matmul kernel (pallas_kernels/cpu_matmul/kernel.cc) as part of `pip install`.
+"""Builds the CPU matmul kernel (pallas_kernels/cpu_matmul/kernel.cc, and pack.cc: GGUF blocks
+repacked for it at load) as part of `pip install`.
 
 Everything else is in pyproject.toml. The extension is optional: without a C++ compiler (or on
 a platform it does not build for) the install still succeeds, and the jnp dot runs instead
@@ -10,7 +11,7 @@ from setuptools import Extension, setup
 
 setup(ext_modules=[Extension(
     "pallas_kernels.cpu_matmul._kernel",
-    sources=["pallas_kernels/cpu_matmul/kernel.cc"],
+    sources=["pallas_kernels/cpu_matmul/kernel.cc", "pallas_kernels/cpu_matmul/pack.cc"],
     include_dirs=["pallas_kernels/cpu_matmul/include"],
     language="c++",
     # No -march: the kernel picks AVX-512 / AVX2 / portable code at run time.

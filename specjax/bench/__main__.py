@@ -1,10 +1,10 @@
-"""`python -m specjax.bench decode|spec|verify|sampling|trees|serving|host|xla|tp|structured|shapes ...`: benchmarks that print their figures,
+"""`python -m specjax.bench decode|spec|verify|sampling|trees|serving|host|xla|tp|structured|shapes|load|infill ...`: benchmarks that print their figures,
 each table followed by a legend of its columns. `python -m specjax.bench COMMAND --help` says
 what one measures and its options."""
 import argparse
 
-from specjax.bench import (decode, host, sampling, serving, shapes, spec, structured, tp,
-                           trees, verify, xla)
+from specjax.bench import (decode, host, infill, load, sampling, serving, shapes, spec,
+                           structured, tp, trees, verify, xla)
 from specjax.cli import HelpFormatter
 
 EPILOG = """\
@@ -30,7 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 MODULES = {"decode": decode, "spec": spec, "verify": verify, "sampling": sampling,
            "trees": trees, "serving": serving, "host": host,
-           "xla": xla, "tp": tp, "structured": structured, "shapes": shapes}
+           "xla": xla, "tp": tp, "structured": structured, "shapes": shapes, "load": load,
+           "infill": infill}
 
 
 def main(argv=None) -> int:

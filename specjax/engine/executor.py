@@ -14,7 +14,9 @@ import atexit
 import logging
 import time
 import jax
+import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from pallas_kernels import cpu_matmul
 from specjax.core.aux_state import aux_bytes_per_slot
@@ -127,6 +129,18 @@ class Executor:
 
     # -- dispatch ----------------------------------------------------------------------------
 
+
+    def target_view(self) -> nnx.Module | None:
+        """The target as the steps hold it (q/k/v and gate/up fused; on a CPU unrolled), over
+        the very same arrays, where that layout is a model like any other: quantized or
+        unpacked projections on one device. None where the kernel took float weights packed
+        (`packed_for_cpu`), or a mesh split them. `LLM` keeps this rather than the model it
+        loaded, so a model's weights are held once, not twice."""
+        if self.tp is not None or any(
+                jnp.issubdtype(a.dtype, jnp.floating) and a.ndim >= 3
+                for a in jax.tree.leaves(self.params.target)):
+            return None
+        return nnx.merge(self.graphdef, self.params.target)
     def launch_prefill(self, rows: list[tuple[Request, int]]) -> tuple[PrefillOutput, Failed]:
         """Prompt chunks: each request's next `n` tokens from its first one not in the pool.
         Returns the step's output and the rows that could not be prepared."""

@@ -1,7 +1,9 @@
 """Static model configuration: a frozen, hashable dataclass (safe as a jit static argument).
 
 `ModelConfig.from_hf_dict` maps a Hugging Face `config.json` onto it and refuses anything the
-model code does not implement, naming the field, rather than silently computing something else.
+model code does not implement, naming the field, rather than silently computing something else;
+`to_hf_dict` writes one back. Both are generic: what differs between families is read from the
+family's record (`models/families.py`).
 """
 from __future__ import annotations
 
@@ -12,7 +14,9 @@ from typing import Any
 
 import numpy as np
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "bamba")
+from specjax.models.families import (ALL_BIASES, GATED, NO_WINDOW, PATTERN, UNIFORM, Family,
+                                     family_for_hf)
+
 # What a layer's MLP applies to its gate: Llama's SiLU, Gemma's tanh-approximated GELU.
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -214,98 +218,82 @@ class ModelConfig:
     def replace(self, **changes) -> "ModelConfig":
         return dataclasses.replace(self, **changes)
 
-    # ---- Hugging Face config.json ------------------------------------------------------------
+    # ---- Hugging Face config.json: generic, driven by the family's record ----------------
 
     @classmethod
     def from_hf_dict(cls, hf: dict[str, Any], dtype: str | None = None) -> "ModelConfig":
-        model_type = hf.get("model_type")
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(f"unsupported model_type {model_type!r} in config.json "
-                             f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
-        hybrid = bamba_fields(hf) if model_type == "bamba" else {}
-        gemma = gemma3_fields(hf) if model_type == "gemma3_text" else {}
-        archs = hf.get("architectures") or []
-        for arch in archs:
+        family = family_for_hf(hf.get("model_type"))
+        for arch in hf.get("architectures") or []:
             if not arch.endswith("ForCausalLM"):
                 raise ValueError(f"unsupported architecture {arch!r} in config.json: only "
                                  "*ForCausalLM decoders are supported")
+        for key in ("final_logit_softcapping", "attn_logit_softcapping"):
+            if hf.get(key) is not None:
+                raise ValueError(f"unsupported {family.title} config: {key} = {hf[key]}")
+        if hf.get("use_bidirectional_attention"):
+            raise ValueError(f"unsupported {family.title} config: use_bidirectional_attention "
+                             "= true")
         num_heads = hf["num_attention_heads"]
         num_layers = hf["num_hidden_layers"]
-        head_dim = hf.get("head_dim") or hf["hidden_size"] // num_heads
-        theta, scaling = (gemma.pop("rope_theta"), gemma.pop("rope_scaling")) if gemma else \
-            rope_from_hf(hf, partial=model_type == "bamba")
         if dtype is None:
             dtype = hf.get("dtype") or hf.get("torch_dtype") or "float32"
             dtype = dtype if dtype in DTYPES else "float32"
-        attention_bias = bool(hf.get("attention_bias", False))
+        qkv_bias, o_bias = family.biases(bool(hf.get("attention_bias", False)))
+        scalar = family.query_pre_attn_scalar
         return cls(
-            vocab_size=hf["vocab_size"],
-            hidden_size=hf["hidden_size"],
-            intermediate_size=hf["intermediate_size"],
-            num_layers=num_layers,
-            num_heads=num_heads,
-            num_kv_heads=hf.get("num_key_value_heads") or num_heads,
-            head_dim=head_dim,
+            vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"], num_layers=num_layers,
+            num_heads=num_heads, num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
             max_position_embeddings=hf.get("max_position_embeddings", 2048),
             rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
-            rope_theta=theta,
-            rope_scaling=scaling,
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            # Qwen2 hard-codes q/k/v biases; Llama's attention_bias covers q/k/v/o; Qwen3 q/k/v only.
-            qkv_bias=model_type == "qwen2" or attention_bias,
-            o_bias=model_type in ("llama", "bamba", "gemma3_text") and attention_bias,
-            mlp_bias=bool(hf.get("mlp_bias", False)),
-            qk_norm=model_type in ("qwen3", "gemma3_text"),
-            sliding_windows=_sliding_windows_from_hf(hf, model_type, num_layers),
-            dtype=dtype,
-            model_type=model_type,
-            bos_token_id=hf.get("bos_token_id"),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", family.tie_word_embeddings)),
+            qkv_bias=qkv_bias, o_bias=o_bias,
+            mlp_bias=family.mlp_bias and bool(hf.get("mlp_bias", False)),
+            qk_norm=family.qk_norm, sandwich_norms=family.sandwich_norms,
+            hidden_act=_activation_from_hf(hf, family), embed_scale=family.embed_scale,
+            query_pre_attn_scalar=None if scalar is None else hf.get("query_pre_attn_scalar",
+                                                                     scalar),
+            sliding_windows=_windows_from_hf(hf, family, num_layers),
+            dtype=dtype, model_type=family.model_type, bos_token_id=hf.get("bos_token_id"),
             eos_token_id=hf.get("eos_token_id"),
             initializer_range=hf.get("initializer_range", 0.02),
-            **hybrid, **gemma,
+            **_rope_fields_from_hf(hf, family),
+            **(bamba_fields(hf) if family.hybrid else {}),
         )
 
     def to_hf_dict(self) -> dict[str, Any]:
-        """A config.json that transformers (and `from_hf_dict`) reads back as the same model."""
-        if self.model_type == "bamba":
-            return bamba_to_hf(self)
-        if self.model_type == "gemma3_text":
-            return gemma3_to_hf(self)
-        if self.model_type == "qwen2" and not self.qkv_bias or self.qk_norm and self.model_type != "qwen3":
-            raise ValueError("this ModelConfig has no Hugging Face equivalent for its model_type")
+        """A config.json that transformers (and `from_hf_dict`) reads back as the same model;
+        a config its family's config.json cannot express is refused, naming the field."""
+        family = family_for_hf(self.model_type)
+        wrong = _inexpressible(self, family)
+        if wrong:
+            raise ValueError(f"this ModelConfig has no Hugging Face {family.title} equivalent: "
+                             f"{wrong}")
         hf: dict[str, Any] = {
-            "architectures": [{"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                               "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[self.model_type]],
-            "model_type": self.model_type,
-            "vocab_size": self.vocab_size,
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
-            "num_hidden_layers": self.num_layers,
-            "num_attention_heads": self.num_heads,
-            "num_key_value_heads": self.num_kv_heads,
-            "head_dim": self.head_dim,
-            "max_position_embeddings": self.max_position_embeddings,
-            "rms_norm_eps": self.rms_norm_eps,
-            "rope_theta": self.rope_theta,
-            "tie_word_embeddings": self.tie_word_embeddings,
-            "attention_bias": self.qkv_bias if self.model_type in ("llama", "qwen3") else False,
-            "mlp_bias": self.mlp_bias,
-            "hidden_act": "silu",
-            "dtype": self.dtype,
+            "architectures": [family.hf_architecture], "model_type": family.model_type,
+            "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size, "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads, "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim, "max_position_embeddings": self.max_position_embeddings,
+            "rms_norm_eps": self.rms_norm_eps, "tie_word_embeddings": self.tie_word_embeddings,
+            family.activation_key: self.hidden_act, "dtype": self.dtype,
             "bos_token_id": self.bos_token_id,
             "eos_token_id": list(self.eos_token_id) if isinstance(self.eos_token_id, tuple)
             else self.eos_token_id,
             "initializer_range": self.initializer_range,
+            **_rope_to_hf(self, family),
+            **_windows_to_hf(self, family),
+            **family.hf_extra,
         }
-        if self.rope_scaling is not None:
-            hf["rope_scaling"] = rope_scaling_to_hf(self.rope_scaling)
-        windows = {w for w in (self.sliding_windows or ()) if w is not None}
-        if windows:
-            if self.model_type != "mistral" or len(windows) > 1 or None in self.sliding_windows:
-                raise ValueError("only Mistral-style uniform sliding windows can be exported")
-            hf["sliding_window"] = windows.pop()
-        elif self.model_type in ("mistral", "qwen2", "qwen3"):
-            hf["sliding_window"] = None
+        if family.attention_bias == ALL_BIASES:
+            hf["attention_bias"] = self.qkv_bias
+        if family.mlp_bias:
+            hf["mlp_bias"] = self.mlp_bias
+        if family.query_pre_attn_scalar is not None:
+            hf["query_pre_attn_scalar"] = self.query_pre_attn_scalar or self.head_dim
+        if family.hybrid:
+            hf.update(bamba_to_hf(self))
         return hf
 
     @classmethod
@@ -315,7 +303,7 @@ class ModelConfig:
 
 
 def rope_from_hf(hf: dict[str, Any], partial: bool = False) -> tuple[float, RopeScaling | None]:
-    """`partial`: the model type reads partial_rotary_factor itself (Bamba)."""
+    """`partial`: the caller reads partial_rotary_factor itself."""
     # transformers >= 5 writes `rope_parameters` (theta included); older configs use
     # `rope_theta` + `rope_scaling`. Accept both.
     params = dict(hf.get("rope_parameters") or {})
@@ -342,87 +330,114 @@ def rope_from_hf(hf: dict[str, Any], partial: bool = False) -> tuple[float, Rope
     )
 
 
-def _sliding_windows_from_hf(hf, model_type, num_layers):
-    window = hf.get("sliding_window")
-    if model_type in ("qwen2", "qwen3") and not hf.get("use_sliding_window", False):
-        window = None
-    if model_type == "llama" or window is None:
-        return None
-    layer_types = hf.get("layer_types")
-    if layer_types is None and model_type == "gemma3_text":
-        layer_types = gemma3_layer_types(num_layers, hf.get("sliding_window_pattern", 6))
-    if layer_types is None and model_type in ("qwen2", "qwen3"):
-        first = hf.get("max_window_layers", num_layers)
-        layer_types = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
-    if layer_types is None:
-        return (int(window),) * num_layers
-    return tuple(int(window) if t == "sliding_attention" else None for t in layer_types)
-
-
-def gemma3_fields(hf: dict[str, Any]) -> dict[str, Any]:
-    """Gemma 3's switches (`ModelConfig`'s docstring) from its config.json, old (rope_theta,
-    rope_local_base_freq, rope_scaling) or new (rope_parameters per layer type) style;
-    refuses the soft-capping and bidirectional variants, which nothing here computes."""
-    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
-        if hf.get(key) is not None:
-            raise ValueError(f"unsupported Gemma 3 config: {key} = {hf[key]}")
-    if hf.get("use_bidirectional_attention"):
-        raise ValueError("unsupported Gemma 3 config: use_bidirectional_attention = true")
-    act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
-    if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
-        raise ValueError(f"unsupported Gemma 3 config: hidden_activation {act!r}")
+def _rope_fields_from_hf(hf: dict[str, Any], family: Family) -> dict[str, Any]:
+    """RoPE's fields: one rotation, or (transformers 5) one per layer type, the global
+    layers' scaled and the sliding-window layers' not; a family with a local base where the
+    file names none (Gemma 3's rope_local_base_freq) gets its default."""
+    partial = family.partial_rotary_factor
     params = hf.get("rope_parameters") or {}
     if "full_attention" in params:
         theta, scaling = rope_from_hf({"rope_parameters": params["full_attention"]})
         local, local_scaling = rope_from_hf({"rope_parameters": params["sliding_attention"]})
+        if local_scaling is not None:
+            raise ValueError(f"unsupported {family.title} config: rope scaling on the "
+                             "sliding-window layers")
     else:
-        theta, scaling = rope_from_hf({k: v for k, v in hf.items() if k != "rope_parameters"})
-        local, local_scaling = float(hf.get("rope_local_base_freq", 10000.0)), None
-    if local_scaling is not None:
-        raise ValueError("unsupported Gemma 3 config: rope scaling on the sliding-window layers")
-    return dict(rope_theta=theta, rope_scaling=scaling, rope_local_theta=local,
-                sandwich_norms=True, hidden_act="gelu_pytorch_tanh", embed_scale=True,
-                query_pre_attn_scalar=hf.get("query_pre_attn_scalar", 256))
+        theta, scaling = rope_from_hf(hf, partial=partial is not None)
+        local = None if family.rope_local_theta is None else float(
+            hf.get("rope_local_base_freq", family.rope_local_theta))
+    fields = dict(rope_theta=theta, rope_scaling=scaling, rope_local_theta=local)
+    if partial is not None:
+        spec = {**(hf.get("rope_scaling") or {}), **params}
+        fields["partial_rotary_factor"] = float(spec.get(
+            "partial_rotary_factor", hf.get("partial_rotary_factor", partial)))
+    return fields
 
 
-def gemma3_layer_types(num_layers: int, pattern: int = 6) -> list[str]:
-    """Gemma 3's default: every `pattern`-th layer global, the rest sliding-window."""
-    return ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
-            for i in range(num_layers)]
-
-
-def gemma3_to_hf(config: ModelConfig) -> dict[str, Any]:
-    """A Gemma3ForCausalLM config.json for a Gemma 3 config."""
-    windows = config.sliding_windows or (None,) * config.num_layers
-    sizes = {w for w in windows if w is not None}
-    if len(sizes) > 1 or config.qkv_bias != config.o_bias or not config.qk_norm:
-        raise ValueError("this ModelConfig has no Hugging Face Gemma 3 equivalent")
-    full = {"rope_type": "default", "rope_theta": config.rope_theta}
-    if config.rope_scaling is not None:
-        full = {**rope_scaling_to_hf(config.rope_scaling), "rope_theta": config.rope_theta}
-    return {
-        "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
-        "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
-        "intermediate_size": config.intermediate_size,
-        "num_hidden_layers": config.num_layers, "num_attention_heads": config.num_heads,
-        "num_key_value_heads": config.num_kv_heads, "head_dim": config.head_dim,
-        "max_position_embeddings": config.max_position_embeddings,
-        "rms_norm_eps": config.rms_norm_eps, "hidden_activation": config.hidden_act,
-        "query_pre_attn_scalar": config.query_pre_attn_scalar or config.head_dim,
-        "rope_parameters": {
+def _rope_to_hf(config: ModelConfig, family: Family) -> dict[str, Any]:
+    """The family's RoPE keys: per layer type where it has local layers of their own base,
+    `rope_parameters` with the rotated fraction where it rotates part of a head, else
+    `rope_theta` and `rope_scaling`."""
+    scaling = {} if config.rope_scaling is None else rope_scaling_to_hf(config.rope_scaling)
+    full = {"rope_type": "default", **scaling, "rope_theta": config.rope_theta}
+    if family.rope_local_theta is not None:
+        return {"rope_parameters": {
             "full_attention": full,
             "sliding_attention": {"rope_type": "default",
-                                  "rope_theta": config.rope_local_theta or config.rope_theta}},
-        "sliding_window": sizes.pop() if sizes else None,
-        "layer_types": ["sliding_attention" if w is not None else "full_attention"
-                        for w in windows],
-        "tie_word_embeddings": config.tie_word_embeddings, "attention_bias": config.qkv_bias,
-        "final_logit_softcapping": None, "attn_logit_softcapping": None,
-        "dtype": config.dtype, "bos_token_id": config.bos_token_id,
-        "eos_token_id": list(config.eos_token_id) if isinstance(config.eos_token_id, tuple)
-        else config.eos_token_id,
-        "pad_token_id": 0, "initializer_range": config.initializer_range,
-    }
+                                  "rope_theta": config.rope_local_theta or config.rope_theta}}}
+    if family.partial_rotary_factor is not None:
+        return {"rope_parameters": {**full,
+                                    "partial_rotary_factor": config.partial_rotary_factor}}
+    return {"rope_theta": config.rope_theta, **({"rope_scaling": scaling} if scaling else {})}
+
+
+# config.json's activation names -> ModelConfig.hidden_act
+_HF_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_pytorch_tanh",
+                   "gelu_tanh": "gelu_pytorch_tanh"}
+
+
+def _activation_from_hf(hf: dict[str, Any], family: Family) -> str:
+    key = next((k for k in (family.activation_key, "hidden_act") if hf.get(k)), None)
+    act = hf[key] if key else family.hidden_act
+    if act not in _HF_ACTIVATIONS:
+        raise ValueError(f"unsupported {family.title} config: {key} {act!r} (supported: "
+                         f"{', '.join(_HF_ACTIVATIONS)})")
+    return _HF_ACTIVATIONS[act]
+
+
+def _windows_from_hf(hf: dict[str, Any], family: Family,
+                     num_layers: int) -> tuple[int | None, ...] | None:
+    window = hf.get("sliding_window")
+    if family.windows == GATED and not hf.get("use_sliding_window", False):
+        window = None
+    if family.windows == NO_WINDOW or window is None:
+        return None
+    layer_types = hf.get("layer_types")
+    if layer_types is None and family.windows == GATED:
+        first = hf.get("max_window_layers", num_layers)
+        layer_types = ["sliding_attention" if i >= first else "full_attention"
+                       for i in range(num_layers)]
+    if layer_types is None:
+        return family.layer_windows(num_layers, int(window), hf.get("sliding_window_pattern"))
+    return tuple(int(window) if t == "sliding_attention" else None for t in layer_types)
+
+
+def _windows_to_hf(config: ModelConfig, family: Family) -> dict[str, Any]:
+    windows = config.sliding_windows or (None,) * config.num_layers
+    sizes = {w for w in windows if w is not None}
+    if family.windows == PATTERN:
+        return {"sliding_window": min(sizes) if sizes else None,
+                "layer_types": ["sliding_attention" if w is not None else "full_attention"
+                                for w in windows]}
+    if family.windows == UNIFORM:
+        return {"sliding_window": min(sizes) if sizes else None}
+    return {"sliding_window": None} if family.windows == GATED else {}
+
+
+def _inexpressible(config: ModelConfig, family: Family) -> str:
+    """What of `config` its family's config.json cannot say (empty: nothing)."""
+    windows = config.sliding_windows or ()
+    sizes = {w for w in windows if w is not None}
+    fixed = dict(qk_norm=family.qk_norm, sandwich_norms=family.sandwich_norms,
+                 embed_scale=family.embed_scale, is_hybrid=family.hybrid)
+    if not family.mlp_bias:
+        fixed["mlp_bias"] = False
+    if family.query_pre_attn_scalar is None:
+        fixed["query_scale"] = None
+    if family.rope_local_theta is None:
+        fixed["rope_local_theta"] = None
+    if family.partial_rotary_factor is None:
+        fixed["partial_rotary_factor"] = 1.0
+    wrong = [f"{k} {getattr(config, k)!r}" for k, v in fixed.items() if getattr(config, k) != v]
+    if family.partial_rotary_factor is not None and config.rope_scaling is not None:
+        # scaling a partial rotation: never checked against transformers
+        wrong.append(f"rope_scaling {config.rope_scaling}")
+    if (config.qkv_bias, config.o_bias) not in {family.biases(False), family.biases(True)}:
+        wrong.append(f"qkv_bias {config.qkv_bias} with o_bias {config.o_bias}")
+    if sizes and (family.windows in (NO_WINDOW, GATED) or len(sizes) > 1 or (
+            family.windows == UNIFORM and None in windows)):
+        wrong.append(f"sliding_windows {config.sliding_windows}")
+    return ", ".join(wrong)
 
 
 def rope_scaling_to_hf(scaling: RopeScaling) -> dict:
@@ -455,8 +470,6 @@ def bamba_fields(hf: dict[str, Any]) -> dict[str, Any]:
     """The hybrid fields of a Bamba config.json; refuses what the mixer does not implement."""
     if hf.get("mamba_proj_bias"):
         raise ValueError("unsupported Bamba config: mamba_proj_bias = true")
-    if hf.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"unsupported Bamba config: hidden_act {hf['hidden_act']!r}")
     layers, hidden = hf["num_hidden_layers"], hf["hidden_size"]
     attention = set(hf.get("attn_layer_indices") or ())
     heads, expand = hf.get("mamba_n_heads", 128), hf.get("mamba_expand", 2)
@@ -467,10 +480,7 @@ def bamba_fields(hf: dict[str, Any]) -> dict[str, Any]:
         raise ValueError(f"Bamba config: mamba_n_heads {heads} x mamba_d_head {head_dim} must "
                          f"equal mamba_expand x hidden_size ({expand * hidden})")
     limit = hf.get("time_step_limit") or (0.0, float("inf"))
-    rope = {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
     return dict(
-        partial_rotary_factor=float(rope.get("partial_rotary_factor",
-                                             hf.get("partial_rotary_factor", 0.5))),
         layer_types=tuple(ATTENTION if i in attention else MAMBA for i in range(layers)),
         mamba=MambaConfig(num_heads=heads, head_dim=head_dim,
                           num_groups=hf.get("mamba_n_groups", 1),
@@ -483,25 +493,14 @@ def bamba_fields(hf: dict[str, Any]) -> dict[str, Any]:
 
 
 def bamba_to_hf(config: ModelConfig) -> dict[str, Any]:
-    """A Bamba config.json for a hybrid config (transformers reads it back as the same model)."""
+    """The hybrid keys of a Bamba config.json (the inverse of `bamba_fields`)."""
     m = config.mamba
-    if config.qk_norm or config.qkv_bias != config.o_bias or config.sliding_windows \
-            or config.rope_scaling is not None or m is None \
-            or m.intermediate_size % config.hidden_size:
-        raise ValueError("this ModelConfig has no Hugging Face Bamba equivalent")
+    if m.intermediate_size % config.hidden_size:
+        raise ValueError(f"this ModelConfig has no Hugging Face Bamba equivalent: mamba "
+                         f"intermediate size {m.intermediate_size}, not a multiple of "
+                         f"hidden_size {config.hidden_size}")
     limit = [m.time_step_min, m.time_step_max]
     return {
-        "architectures": ["BambaForCausalLM"], "model_type": "bamba",
-        "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
-        "intermediate_size": config.intermediate_size,
-        "num_hidden_layers": config.num_layers, "num_attention_heads": config.num_heads,
-        "num_key_value_heads": config.num_kv_heads,
-        "max_position_embeddings": config.max_position_embeddings,
-        "rms_norm_eps": config.rms_norm_eps,
-        "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta,
-                            "partial_rotary_factor": config.partial_rotary_factor},
-        "tie_word_embeddings": config.tie_word_embeddings,
-        "attention_bias": config.qkv_bias, "mlp_bias": config.mlp_bias, "hidden_act": "silu",
         "attn_layer_indices": list(config.kv_layers),
         "mamba_n_heads": m.num_heads, "mamba_d_head": m.head_dim,
         "mamba_n_groups": m.num_groups, "mamba_d_state": m.state_size,
@@ -509,9 +508,4 @@ def bamba_to_hf(config: ModelConfig) -> dict[str, Any]:
         "mamba_chunk_size": m.chunk_size, "mamba_conv_bias": m.conv_bias,
         "mamba_proj_bias": False,
         "time_step_limit": [x if x != float("inf") else {"__float__": "Infinity"} for x in limit],
-        "dtype": config.dtype, "bos_token_id": config.bos_token_id,
-        "eos_token_id": list(config.eos_token_id) if isinstance(config.eos_token_id, tuple)
-        else config.eos_token_id,
-        "pad_token_id": None,
-        "initializer_range": config.initializer_range,
     }

@@ -41,8 +41,12 @@ from specjax.models.hf_checkpoint import layer_tensors, take_layers
 ARCHITECTURE = "SpecjaxDFlashDrafter"
 DSPARK_ARCHITECTURE = "SpecjaxDSparkDrafter"
 WEIGHTS_NAME = "model.safetensors"
-_BODY_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta")
+# config.json key -> the body's ModelConfig field (the body is no Hugging Face model: it keeps
+# whatever layer switches its target has)
+_BODY_FIELDS = {"hidden_size": "hidden_size", "intermediate_size": "intermediate_size",
+                "num_hidden_layers": "num_layers", "num_attention_heads": "num_heads",
+                "num_key_value_heads": "num_kv_heads", "head_dim": "head_dim",
+                "rms_norm_eps": "rms_norm_eps", "rope_theta": "rope_theta"}
 
 
 def save_dflash_head(head: DFlashHead, folder: str | os.PathLike, dtype: str | None = None
@@ -72,9 +76,8 @@ def save_dflash_head(head: DFlashHead, folder: str | os.PathLike, dtype: str | N
                         "confidence.calibration": f32(head.calibration)})
     save_safetensors(tensors, folder / WEIGHTS_NAME,
                      metadata={"format": "specjax-dspark" if dspark else "specjax-dflash"})
-    body = cfg.body.to_hf_dict()
     hf = {"architectures": [DSPARK_ARCHITECTURE if dspark else ARCHITECTURE],
-          **{k: body[k] for k in _BODY_FIELDS if k in body},
+          **{k: getattr(cfg.body, field) for k, field in _BODY_FIELDS.items()},
           "vocab_size": cfg.vocab_size, "target_layer_ids": list(cfg.target_layer_ids),
           "mask_token_id": cfg.mask_token_id, "block_size": cfg.block_size, "torch_dtype": dtype}
     if dspark:
@@ -95,7 +98,8 @@ def load_dflash_head(folder: str | os.PathLike, target: ModelConfig, dtype: str 
         raise CheckpointError(f"{where}: architectures {hf.get('architectures')} names neither "
                               f"{ARCHITECTURE} nor {DSPARK_ARCHITECTURE}")
     dspark = DSPARK_ARCHITECTURE in names
-    missing = [k for k in (*_BODY_FIELDS[:6], "vocab_size", "target_layer_ids") if k not in hf]
+    missing = [k for k in (*list(_BODY_FIELDS)[:6], "vocab_size", "target_layer_ids")
+               if k not in hf]
     if missing:
         raise CheckpointError(f"{where}: missing {', '.join(missing)}")
     if hf["vocab_size"] != target.vocab_size or hf["hidden_size"] != target.hidden_size:

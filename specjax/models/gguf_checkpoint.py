@@ -12,27 +12,26 @@ dequantizes every tensor to it at load instead, as the engine did before.
 """
 from __future__ import annotations
 
+import mmap
 import os
 import struct
 from pathlib import Path
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from pallas_kernels.cpu_matmul import PANEL, quant
-from specjax.models.checkpoint_io import CheckpointError, refuse_leftovers, tensor_taker
+from specjax.models.checkpoint_io import (CheckpointError, module_from_params,
+                                          refuse_leftovers, tensor_taker)
 from specjax.models.config import DTYPES, ModelConfig, RopeScaling
+from specjax.models.families import family_for_gguf, family_for_hf
+from specjax.models.fused import FUSED_GROUPS
 from specjax.models.hf_checkpoint import model_from_params
 from specjax.models.llama import Llama, layer_param_shapes
 
-# GGUF's `general.architecture` -> our model_type. llama.cpp writes Mistral files as "llama".
-ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
-                 "gemma3": "gemma3_text"}
-# Architectures whose q/k rows llama.cpp's converter permutes (its "normal" rotary); Qwen's
-# use NeoX rotary there and are stored as Hugging Face has them.
-_PERMUTED = {"llama", "mistral"}
 TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K",
                 "Q6_K")
 
@@ -51,9 +50,7 @@ _LAYER_NAMES = {
 _SANDWICH_NAMES = {"attn_out_norm": "post_attention_norm.weight",
                    "ffn_out_norm": "post_ffw_norm.weight"}
 _LAYER_NAMES.update(_SANDWICH_NAMES)
-# llama.cpp's Gemma 3: every sixth layer global, the others a sliding window rotated with a
-# base of 10,000 (neither is in the file).
-GEMMA3_GLOBAL_EVERY, GEMMA3_LOCAL_ROPE_BASE = 6, 10000.0
+_PARAM_OF = {name: key for key, name in _LAYER_NAMES.items()}
 _TRANSPOSED = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
 # Tensors llama.cpp keeps beside the weights that nothing here computes with.
 _IGNORED = {"rope_freqs.weight"}
@@ -87,6 +84,7 @@ class GGUFFile:
         if not self.path.is_file():
             raise FileNotFoundError(f"GGUF file {str(self.path)!r} does not exist")
         data = np.memmap(self.path, dtype=np.uint8, mode="r")
+        self._map = data._mmap  # the mmap.mmap under it, for `release`
         self._view, self._at = memoryview(data), 4
         try:
             if bytes(data[:4]) != b"GGUF":
@@ -107,7 +105,7 @@ class GGUFFile:
                 infos.append((name, dims, self._scalar("<I"), self._scalar("<Q")))
             align = int(self.meta.get("general.alignment", 32))
             start = -(-self._at // align) * align
-            self.tensors = {}
+            self.tensors, self._spans = {}, {}
             for name, dims, kind, offset in infos:
                 try:
                     qtype = GGMLQuantizationType(kind)
@@ -120,6 +118,7 @@ class GGUFFile:
                     raise ValueError(f"tensor {name!r} runs past the end of the file")
                 raw = data[start + offset:start + offset + nbytes]
                 self.tensors[name] = (qtype, shape, raw.reshape(shape[:-1] + (-1,)))
+                self._spans[name] = (start + offset, nbytes)
         except (ValueError, IndexError, UnicodeDecodeError) as e:
             if isinstance(e, CheckpointError):
                 raise
@@ -153,6 +152,16 @@ class GGUFFile:
         value = self._scalar(_SCALARS[kind])
         return bool(value) if kind == 7 else value
 
+    def release(self, name: str) -> None:
+        """Drop tensor `name`'s pages from this process once it has been read (repacked or
+        dequantized): the OS keeps them in its page cache, but they stop counting to the
+        process, so loading peaks near the packed model's size, not the file's plus it."""
+        start, nbytes = self._spans[name]
+        first = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE  # whole pages inside the tensor
+        end = (start + nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
+        if end > first and hasattr(self._map, "madvise"):
+            self._map.madvise(mmap.MADV_DONTNEED, first, end - first)
+
     def dequantized(self, name: str) -> np.ndarray:
         """Tensor `name` as float32 in row-major order (GGUF lists dimensions innermost
         first)."""
@@ -179,9 +188,7 @@ def gguf_config(meta: dict[str, Any], dtype: str | None = None) -> ModelConfig:
     """The `ModelConfig` a GGUF's metadata describes; unsupported architectures and rotary
     scalings are named."""
     arch = meta.get("general.architecture")
-    if arch not in ARCHITECTURES:
-        raise CheckpointError(f"GGUF architecture {arch!r} is not supported (supported: "
-                              f"{', '.join(ARCHITECTURES)})")
+    family = family_for_gguf(arch)
 
     def get(key: str, default: Any = KeyError) -> Any:
         value = meta.get(f"{arch}.{key}", default)
@@ -209,17 +216,6 @@ def gguf_config(meta: dict[str, Any], dtype: str | None = None) -> ModelConfig:
     vocab = int(get("vocab_size", len(tokens) if tokens is not None else KeyError))
     window = get("attention.sliding_window", None)
     layers = int(get("block_count"))
-    windows = None if not window else (int(window),) * layers
-    gemma = {}
-    if arch == "gemma3":
-        # llama.cpp scales Gemma 3 27B's queries by hidden / heads, every other size's by
-        # the head size (no key holds it).
-        scalar = hidden // heads if hidden == 5376 else head_dim
-        gemma = dict(sandwich_norms=True, hidden_act="gelu_pytorch_tanh", embed_scale=True,
-                     query_pre_attn_scalar=scalar, rope_local_theta=GEMMA3_LOCAL_ROPE_BASE)
-        if window:
-            windows = tuple(None if (i + 1) % GEMMA3_GLOBAL_EVERY == 0 else int(window)
-                            for i in range(layers))
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
     eos = meta.get("tokenizer.ggml.eos_token_id")
@@ -232,11 +228,10 @@ def gguf_config(meta: dict[str, Any], dtype: str | None = None) -> ModelConfig:
         rms_norm_eps=_decimal(get("attention.layer_norm_rms_epsilon", 1e-6)),
         rope_theta=_decimal(get("rope.freq_base", 10000.0)), rope_scaling=scaling,
         tie_word_embeddings=False,  # decided by the tensors (no output.weight), below
-        qkv_bias=arch == "qwen2", qk_norm=arch in ("qwen3", "gemma3"),
-        sliding_windows=windows,
-        dtype=dtype or "float32", model_type=ARCHITECTURES[arch],
+        dtype=dtype or "float32", model_type=family.model_type,
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
-        eos_token_id=None if eos is None else int(eos), **gemma)
+        eos_token_id=None if eos is None else int(eos),
+        **family.gguf_fields(hidden, heads, head_dim, layers, int(window) if window else None))
 
 
 def _decimal(value: float) -> float:
@@ -268,8 +263,8 @@ def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
 
 
 def load_gguf(path: str | os.PathLike, dtype: str | None = None) -> Llama:
-    """Load a GGUF file (architectures llama, mistral, qwen2, qwen3; tensors F32, F16, BF16,
-    Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K) into a `Llama`. `dtype` None: computing in float32 with
+    """Load a GGUF file (architectures: `families.FAMILIES`; tensors `TENSOR_TYPES`) into a
+    `Llama`. `dtype` None: computing in float32 with
     quantized weights kept quantized (module docstring); a `dtype`: every weight dequantized
     to it. Never downloads."""
     from gguf import GGMLQuantizationType
@@ -285,7 +280,7 @@ def load_gguf(path: str | os.PathLike, dtype: str | None = None) -> Llama:
         factors = file.dequantized("rope_freqs.weight").astype(np.float64).reshape(-1)
         config = config.replace(rope_scaling=_llama3_scaling(factors, config))
     config = config.replace(tie_word_embeddings="output.weight" not in file.tensors)
-    permuted = config.model_type in _PERMUTED
+    permuted = family_for_hf(config.model_type).gguf_permuted
     heads = {"q": config.num_heads, "k": config.num_kv_heads}
 
     def unpermuted(name: str, array: np.ndarray) -> np.ndarray:
@@ -307,41 +302,85 @@ def load_gguf(path: str | os.PathLike, dtype: str | None = None) -> Llama:
     kept = {n for key in kept_keys for n in layer_names(key)}
     kept |= {n for n in ("token_embd.weight", "output.weight") if keeps(n)}
 
-    def packed(names: list[str], file_shape: tuple[int, ...]) -> np.ndarray:
-        for name in names:
+    def packed(layers: list[list[str]], key: str) -> np.ndarray:
+        """Layers (each one tensor, or the parts of a fused projection side by side) packed
+        into one page-aligned array: on a CPU `jax.device_put` then shares it, no copy.
+        `key`: the parameter each name is one of ("embed", "q_proj")."""
+        for name in (n for parts in layers for n in parts):
+            file_shape = (V, D) if key in ("embed", "lm_head") else \
+                tuple(reversed(shapes[_PARAM_OF[name.split(".", 2)[-1]]]))
             if name not in file.tensors:
                 raise CheckpointError(f"tensor {name!r} is missing from the GGUF file {path}")
             if file.tensors[name][1] != file_shape:
                 raise CheckpointError(f"tensor {name!r} has shape {file.tensors[name][1]}, "
                                       f"expected {file_shape}")
-        return quant.pack_gguf_stack([(unpermuted(n, file.tensors[n][2]),
-                                       file.tensors[n][0].name) for n in names])
+        return quant.pack_gguf_stack(
+            [[(unpermuted(n, file.tensors[n][2]), file.tensors[n][0].name) for n in parts]
+             for parts in layers],
+            release=lambda i: [file.release(n) for n in layers[i]])
 
-    tensors = {name: unpermuted(name, file.dequantized(name)) for name in file.tensors
+    def dequantized(name: str) -> np.ndarray:
+        array = unpermuted(name, file.dequantized(name))
+        file.release(name)
+        return array
+
+    tensors = {name: dequantized(name) for name in file.tensors
                if name not in _IGNORED and name not in kept}
     take = tensor_taker(tensors, jnp.dtype(config.dtype), f"the GGUF file {path}")
-    params = {"embed": (packed(["token_embd.weight"], (V, D))[0]
+    params = {"embed": (jax.device_put(packed([["token_embd.weight"]], "embed")[0])
                         if "token_embd.weight" in kept else take("token_embd.weight", (V, D))),
               "final_norm": take("output_norm.weight", (D,))}
     if not config.tie_word_embeddings:
-        params["lm_head"] = (packed(["output.weight"], (V, D))[0] if "output.weight" in kept
+        params["lm_head"] = (jax.device_put(packed([["output.weight"]], "lm_head")[0])
+                             if "output.weight" in kept
                              else take("output.weight", (D, V), transpose=True))
-    params["layers"] = {
-        key: (packed(layer_names(key), tuple(reversed(shape))) if key in kept_keys else
+    # q/k/v and gate/up packed side by side where their layers share one layout: the layout
+    # the steps run (`models.fused`), made here without a copy of the weights.
+    fused = {group: parts for group, parts in FUSED_GROUPS.items()
+             if all(f"{p}_proj" in kept_keys for p in parts)
+             and len({quant.common_format(quant.FORMATS[file.tensors[n][0].name]
+                                          for n in layer_names(f"{p}_proj"))
+                      for p in parts}) == 1}
+    layers = {}
+    for group, parts in fused.items():
+        names = [layer_names(f"{p}_proj") for p in parts]
+        layers[f"{group}_proj"] = jax.device_put(packed(
+            [list(layer) for layer in zip(*names)], group))
+        if all(f"{p}_bias" in shapes for p in parts):
+            layers[f"{group}_bias"] = np.concatenate(
+                [np.stack([take(n, shapes[f"{p}_bias"]) for n in layer_names(f"{p}_bias")])
+                 for p in parts], axis=-1)
+    done = {f"{p}_{kind}" for parts in fused.values() for p in parts for kind in ("proj", "bias")}
+    layers.update({
+        key: (jax.device_put(packed([[n] for n in layer_names(key)], key))
+              if key in kept_keys else
               np.stack([take(name, shape, key in _TRANSPOSED) for name in layer_names(key)]))
-        for key, shape in shapes.items()}
+        for key, shape in shapes.items() if key not in done})
+    params["layers"] = layers
     refuse_leftovers(tensors, f"GGUF file has tensors this {config.model_type} config does "
                               "not use")
-    return model_from_params(config, params)
+    if not fused:
+        return model_from_params(config, params)
+
+    def build() -> Llama:  # abstract: the fused layers' shapes in place of the parts'
+        model = Llama(config, rngs=nnx.Rngs(0))
+        model.layers = nnx.Dict({k: nnx.Param(jnp.zeros(v.shape, v.dtype))
+                                 for k, v in layers.items()})
+        return model
+
+    return module_from_params(build, params)
 
 
 # ---- writing: what llama.cpp loads (and what the tests build tiny files with) ---------------
 
 def gguf_metadata(config: ModelConfig) -> dict[str, Any]:
-    """The architecture keys of a GGUF describing `config` (no tokenizer keys)."""
-    arch = {v: k for k, v in ARCHITECTURES.items()}[config.model_type]
-    if arch == "mistral":
-        arch = "llama"  # llama.cpp's converter writes Mistral as llama
+    """The architecture keys of a GGUF describing `config` (no tokenizer keys). A config that
+    is not what llama.cpp assumes of its family's files (`Family.gguf_fields`) is refused,
+    the fields named: the file would load as another model."""
+    family = family_for_hf(config.model_type)
+    arch = family.gguf_architecture
+    if arch is None:
+        raise ValueError(f"{family.title} has no GGUF architecture")
     if config.rope_scaling is not None and config.rope_scaling.rope_type != "linear":
         raise ValueError("writing llama3 rotary scaling to GGUF is not supported")
     meta = {"general.architecture": arch, f"{arch}.block_count": config.num_layers,
@@ -359,21 +398,19 @@ def gguf_metadata(config: ModelConfig) -> dict[str, Any]:
     if config.rope_scaling is not None:
         meta[f"{arch}.rope.scaling.type"] = "linear"
         meta[f"{arch}.rope.scaling.factor"] = float(config.rope_scaling.factor)
-    windows = {w for w in config.sliding_windows or () if w is not None}
-    if arch == "gemma3":
-        assumed = gguf_config({**meta, f"{arch}.attention.sliding_window": min(windows or {0})})
-        fields = ("sliding_windows", "rope_local_theta", "query_scale", "sandwich_norms",
-                  "hidden_act", "embed_scale")
-        if any(getattr(config, f) != getattr(assumed, f) for f in fields):
-            raise ValueError("this Gemma 3 config differs from what llama.cpp assumes of a "
-                             "GGUF (every sixth layer global, local RoPE base 10,000, the "
-                             "query scale of its size)")
-        if windows:
-            meta[f"{arch}.attention.sliding_window"] = windows.pop()
-    elif windows:
-        if len(windows) > 1 or None in config.sliding_windows:
-            raise ValueError("GGUF holds one sliding window for every layer")
-        meta[f"{arch}.attention.sliding_window"] = windows.pop()
+    window = min((w for w in config.sliding_windows or () if w is not None), default=None)
+    if window is not None:
+        meta[f"{arch}.attention.sliding_window"] = window
+    assumed = family.gguf_fields(config.hidden_size, config.num_heads, config.head_dim,
+                                 config.num_layers, window)
+    held = config.replace(**assumed)
+    # query_pre_attn_scalar None and head_dim scale alike: compare the scale they give
+    fields = ["query_scale" if f == "query_pre_attn_scalar" else f for f in assumed]
+    wrong = [f"{f} {getattr(config, f)!r} (llama.cpp: {getattr(held, f)!r})" for f in fields
+             if getattr(config, f) != getattr(held, f)]
+    if wrong:
+        raise ValueError(f"this {family.title} config is not what llama.cpp assumes of a "
+                         f"{arch} GGUF: {', '.join(wrong)}")
     return meta
 
 
@@ -381,7 +418,7 @@ def gguf_tensors(model: Llama) -> dict[str, np.ndarray]:
     """`model`'s weights as float32 arrays in llama.cpp's layout: `[out, in]`, q/k rows
     interleaved for Llama architectures (the inverse of `load_gguf`)."""
     config = model.config
-    permuted = config.model_type in _PERMUTED
+    permuted = family_for_hf(config.model_type).gguf_permuted
     f32 = lambda x: np.asarray(x[...] if isinstance(x, nnx.Variable) else x, np.float32)
     tensors = {"token_embd.weight": f32(model.embed), "output_norm.weight": f32(model.final_norm)}
     if not config.tie_word_embeddings:

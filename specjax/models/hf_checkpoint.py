@@ -19,6 +19,7 @@ from specjax.models.checkpoint_io import (checkpoint_folder, module_from_params,
                                           refuse_leftovers, save_safetensors, tensor_taker)
 from specjax.models.bamba import Bamba, layer_shapes
 from specjax.models.config import ModelConfig
+from specjax.models.families import family_for_hf
 from specjax.models.llama import Llama, layer_param_shapes
 
 # specjax layer param -> (Hugging Face suffix after "model.layers.{i}.", transpose?)
@@ -59,7 +60,7 @@ def layer_names(config: ModelConfig) -> dict[str, tuple[str, bool]]:
 
 def norm_offset(config: ModelConfig) -> float:
     """What a checkpoint's norm weights lack: Gemma scales by (1 + w), specjax by its weight."""
-    return 1.0 if config.model_type == "gemma3_text" else 0.0
+    return family_for_hf(config.model_type).norm_offset
 
 
 def _offset_norms(params: dict, offset: float) -> dict:
@@ -88,8 +89,8 @@ _BAMBA_NAMES = {
 
 
 def load_hf_checkpoint(path: str | os.PathLike, dtype: str | None = None) -> Llama:
-    """Load a local Hugging Face Llama/Mistral/Qwen2/Qwen3 folder into a `Llama` (a Bamba
-    folder into a `Bamba`).
+    """Load a local Hugging Face folder of a supported family (`families.FAMILIES`) into a
+    `Llama` (a hybrid's, Bamba's, into a `Bamba`).
 
     `dtype` overrides the checkpoint's (e.g. "float32" for parity checks). Never downloads.
     """
@@ -101,7 +102,7 @@ def load_hf_checkpoint(path: str | os.PathLike, dtype: str | None = None) -> Lla
     take = tensor_taker(tensors, np_dtype, f"the checkpoint in {folder}")
 
     V, D = config.vocab_size, config.hidden_size
-    hybrid = config.model_type == "bamba"
+    hybrid = config.is_hybrid
     params = {"embed": take("model.embed_tokens.weight", (V, D)),
               "final_norm": take("model.final_layernorm.weight" if hybrid else "model.norm.weight",
                                  (D,))}

@@ -19,6 +19,7 @@ from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from pallas_kernels.cpu_matmul import quant
@@ -174,8 +175,13 @@ class Llama(nnx.Module):
         if not self.stacked and fused == self.fused:
             return self
         model = nnx.merge(*nnx.split(self))
-        stacked = self.layer_params()
-        layers = [{name: array[i] for name, array in stacked.items()}
+        if self.stacked and (fused or not self.fused):
+            # Already as asked, or fusing more: each layer a view of the stacked arrays.
+            stacked = {name: p[...] for name, p in self.layers.items()}
+        else:
+            stacked = self.layer_params()
+        stacked = {name: layer_views(array) for name, array in stacked.items()}
+        layers = [{name: views[i] for name, views in stacked.items()}
                   for i in range(self.config.num_layers)]
         if fused:
             layers = [fuse_projections(layer) for layer in layers]
@@ -336,3 +342,15 @@ def decoder_layer(cfg: ModelConfig, lp: dict[str, jax.Array], x: jax.Array, cos:
     q, k, v = layer_qkv(cfg, lp, x, cos, sin)
     attn, state = attend(q, k, v, state)
     return layer_finish(cfg, lp, attn, x), state
+
+
+def layer_views(stacked: jax.Array) -> list[jax.Array]:
+    """The layers of a stacked array `[L, ...]`. On one CPU device each is a view of its
+    memory, no copy (a CPU array's numpy view shares its buffer, and `device_put` shares an
+    aligned numpy array's; a misaligned layer is copied): a model unrolled for the steps
+    holds its weights once, not a stacked copy beside an unrolled one."""
+    devices = stacked.devices() if isinstance(stacked, jax.Array) else set()
+    if len(devices) != 1 or next(iter(devices)).platform != "cpu":
+        return list(stacked)
+    device, host = next(iter(devices)), np.asarray(stacked)
+    return [jax.device_put(host[i], device) for i in range(host.shape[0])]

@@ -1,6 +1,7 @@
 """`python -m specjax.serve`: serve a model over an OpenAI-compatible HTTP API.
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (streaming with SSE or not),
+llama.cpp's POST /completion and POST /infill (fill in the middle, for code editors),
 GET /v1/models, GET|HEAD /health, GET /metrics (Prometheus). Prompt prefixes seen before reuse
 their K/V (the prefix cache) unless --no-prefix-cache.
 

@@ -1,4 +1,5 @@
-"""The FastAPI app: OpenAI routes over one `EngineThread`.
+"""The FastAPI app: OpenAI routes, and llama.cpp's /completion and /infill (for editors), over
+one `EngineThread`.
 
 A request is validated completely (types by pydantic, values by `specjax.validation`, prompt
 against the vocabulary and context, output length against the room the prompt leaves) before
@@ -23,7 +24,7 @@ import dataclasses
 import json
 import logging
 import time
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
 from starlette.concurrency import run_in_threadpool
@@ -31,6 +32,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from specjax.llm import LLM
 from specjax.chat import ChatTemplate
+from specjax.infill import FimFormat
 from specjax.serve.engine_thread import (EngineFailure, EngineStopped, EngineThread, Event,
                                          QueueFull, Submission)
 from specjax.serve.errors import APIError, error_body, install_error_handlers
@@ -41,7 +43,8 @@ from specjax.serve.choices import ChoiceStream
 from specjax.serve.logprobs import TokenTexts
 from specjax.serve.prepare import Prepared, RequestPreparer
 from specjax.serve.protocol import (ChatCompletionRequest, ChatFormat, CompletionFormat,
-                                    CompletionRequest, finish_reason, request_field_names,
+                                    CompletionRequest, InfillRequest, LlamaCompletionRequest,
+                                    LlamaCppRequest, LlamaFormat, request_field_names,
                                     total_usage)
 
 log = logging.getLogger("specjax.serve")
@@ -107,9 +110,10 @@ class Server:
         self.max_len = engine.max_len
         self.matmul = engine.stats.matmul   # which matmul the steps run (/health)
         self.max_tokens_cap = min(settings.max_tokens_cap or self.max_len, self.max_len)
+        self.eos_token_ids = tuple(engine.eos_token_ids)
         self.prepare = RequestPreparer(self.tokenizer, chat_template, settings.model_names,
                                        self.vocab_size, self.max_len, self.max_tokens_cap,
-                                       engine.grammars)
+                                       engine.grammars, FimFormat(self.tokenizer))
         self.metrics = ServerMetrics()
         self.engine_thread = EngineThread(engine, settings.max_queue,
                                           on_finished=self.metrics.observe_finished)
@@ -132,6 +136,23 @@ class Server:
         return await self.generate(request, prepared, body.stream, body.include_usage, fmt,
                                    logprobs=bool(body.logprobs))
 
+    async def llama_completion(self, body: LlamaCompletionRequest, request: Request) -> Response:
+        return await self.llama(body, request, self.prepare.llama_completion)
+
+    async def infill(self, body: InfillRequest, request: Request) -> Response:
+        return await self.llama(body, request, self.prepare.infill)
+
+    async def llama(self, body: LlamaCppRequest, request: Request,
+                    prepare: Callable[[Any], Prepared]) -> Response:
+        """llama.cpp's endpoints: one choice, its payloads (`protocol.LlamaFormat`)."""
+        prepared = await run_in_threadpool(prepare, body)
+        params = prepared.params[0]
+        fmt = LlamaFormat(self.settings.model_names[0], self.tokenizer,
+                          self.eos_token_ids + params.stop_token_ids, params.stop,
+                          warm_up=body.n_predict == 0, truncated=prepared.truncated,
+                          return_tokens=body.return_tokens, response_fields=body.response_fields)
+        return await self.generate(request, prepared, body.stream, False, fmt, logprobs=False)
+
     async def generate(self, request: Request, prepared: Prepared, stream: bool | None,
                        include_usage: bool, fmt: CompletionFormat, logprobs: bool) -> Response:
         """Submit every choice of the request (all or none), then answer with one body or a
@@ -145,8 +166,11 @@ class Server:
         def deliver_to(index: int):
             return lambda event: loop.call_soon_threadsafe(queue.put_nowait, (index, event))
 
+        limits = prepared.limits
         subs = [Submission(c.prompt_ids, c.params, stream=bool(stream),
-                           deliver=deliver_to(c.index)) for c in choices]
+                           deliver=deliver_to(c.index),
+                           until=limits.start(self.tokenizer) if limits else None)
+                for c in choices]
         streams = [ChoiceStream(c.index, self.tokenizer, c.params.stop, logprobs, c.echo)
                    for c in choices]
         try:
@@ -226,9 +250,8 @@ class Server:
                     if event.finished:
                         finished += 1
                     if delta or entries or event.finished:
-                        yield _sse(fmt.chunk(index, delta, entries,
-                                             finish_reason(event) if event.finished else None,
-                                             include_usage))
+                        for chunk in fmt.chunks(index, delta, entries, event, include_usage):
+                            yield _sse(chunk)
                 if failure is not None:
                     self.cancel_all(subs)
                     yield _sse(error_body(failure.status, failure.message, None, failure.code))
@@ -236,7 +259,8 @@ class Server:
             else:
                 if include_usage:
                     yield _sse(fmt.usage_chunk(total_usage([cs.final for cs in streams], n)))
-            yield SSE_DONE
+            if fmt.sse_done:
+                yield SSE_DONE
         finally:
             self.cancel_all(subs)
 
@@ -331,6 +355,15 @@ def create_app(llm: LLM, settings: ServerSettings = ServerSettings(),
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await server.chat(body, request)
+
+    # llama.cpp's own endpoints, for the editors and tools written against its server.
+    @app.post("/completion")
+    async def llama_completion(body: LlamaCompletionRequest, request: Request) -> Response:
+        return await server.llama_completion(body, request)
+
+    @app.post("/infill")
+    async def infill(body: InfillRequest, request: Request) -> Response:
+        return await server.infill(body, request)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

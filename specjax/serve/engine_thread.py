@@ -59,7 +59,9 @@ class Submission:
 
     `deliver` is called from the engine thread (or by `fail_all`'s caller); with
     `stream=False` only the final event is delivered, since a non-streaming client reads
-    nothing before it.
+    nothing before it. `until`, called on the engine thread with each output, may end the
+    request early: it returns the output to deliver as final (the engine request is aborted,
+    which frees its blocks), or None to go on.
     """
 
     prompt_ids: list[int]
@@ -70,6 +72,7 @@ class Submission:
     cancelled: bool = False
     done: bool = False                # its final event went out (or it was cancelled)
     submit_time: float = dataclasses.field(default_factory=time.perf_counter)
+    until: Callable[[RequestOutput], RequestOutput | None] | None = None
 
 
 class EngineThread:
@@ -246,6 +249,8 @@ class EngineThread:
             sub = self._live.get(out.request_id)
             if sub is None:
                 continue  # cancelled while its step was in flight
+            if sub.until is not None and out.finish_reason != "error":
+                out = self._until(sub, out)
             if out.finished:
                 del self._live[out.request_id]
             if out.finish_reason == "error":
@@ -254,6 +259,19 @@ class EngineThread:
                 self._deliver(sub, EngineFailure(REQUEST_FAILED), final=True)
             elif out.finished or sub.stream:
                 self._deliver(sub, out, final=out.finished)
+
+    def _until(self, sub: Submission, out: RequestOutput) -> RequestOutput:
+        """The output as the submission's own stop leaves it (a stop that raises fails this
+        request alone)."""
+        try:
+            early = sub.until(out)
+        except Exception as e:
+            log.exception("request %d: its stop check failed", out.request_id)
+            self.errors.append(e)
+            early = dataclasses.replace(out, finish_reason="error", error=repr(e)[:500])
+        if early is not None and not out.finished:
+            self.engine.abort(out.request_id)
+        return out if early is None else early
 
     def _running_at_failure(self) -> list[int]:
         """The requests a failed step was working on: those in the batch; waiting ones hold

@@ -23,11 +23,14 @@ from typing import Any, Sequence
 from specjax.sampling_params import SamplingParams
 from specjax.engine.grammar import Grammars, check_guided
 from specjax.chat import ChatTemplate
+from specjax.infill import FimFormat
 from specjax.serve.choices import Echo, prompt_offsets
 from specjax.serve.errors import APIError
+from specjax.serve.line_limits import LineLimits
 from specjax.serve.protocol import (COMPLETIONS_DEFAULT_MAX_TOKENS, MAX_CHOICES,
                                     ChatCompletionRequest, CompletionRequest,
-                                    GenerationRequest, sample_seed)
+                                    GenerationRequest, InfillRequest, LlamaCompletionRequest,
+                                    LlamaCppRequest, sample_seed)
 from specjax.tokenizer import Tokenizer
 from specjax.validation import InvalidArgument, check_prompt, check_request, check_room, shown
 
@@ -50,6 +53,8 @@ class Prepared:
     params: list[SamplingParams]   # per prompt (its max_tokens fitted to its room)
     n: int = 1
     echoes: list[Echo] | None = None   # per prompt, with echo
+    limits: LineLimits | None = None   # llama.cpp's n_indent and t_max_predict_ms
+    truncated: bool = False            # a fill-in-the-middle prompt was cut to fit
 
     @property
     def prompt_ids(self) -> list[int]:
@@ -92,11 +97,19 @@ class RequestPreparer:
     max_len: int           # the context: prompt + output
     max_tokens_cap: int    # the server's limit on one request's output
     grammars: Grammars | None = None   # structured output's compiler (the engine's)
+    fim: FimFormat | None = None       # fill-in-the-middle prompts (the tokenizer's tokens)
 
     def completion(self, body: CompletionRequest) -> Prepared:
         self.check_model(body.model)
         params = body.sampling_params(COMPLETIONS_DEFAULT_MAX_TOKENS, self.max_tokens_cap)
         self.check_stops(params.stop)
+        if body.suffix is not None:
+            self.fim.require("suffix")
+            check_text("suffix", body.suffix)
+            if body.echo:
+                raise InvalidArgument("echo", "echo is not supported with suffix (the prompt "
+                                              "is rendered as fill-in-the-middle)")
+            params = self.fim.with_end_ids(params)
         given = body.prompts()
         if not given:
             raise InvalidArgument("prompt", "prompt must hold at least one prompt")
@@ -104,7 +117,8 @@ class RequestPreparer:
         prompts, fitted = [], []
         for j, p in enumerate(given):
             try:
-                ids = self.completion_prompt(p)
+                ids = (self.completion_prompt(p) if body.suffix is None
+                       else self.suffix_prompt(p, body.suffix, params.max_tokens))
                 fitted.append(self.fit(body, ids, params, "prompt"))
             except InvalidArgument as e:
                 if len(given) == 1:
@@ -137,7 +151,10 @@ class RequestPreparer:
                                   f"{num_prompts} prompt(s) x n={n} asks for {num_prompts * n} "
                                   f"choices; this server makes at most {MAX_CHOICES} per request")
 
-    def check_model(self, model: str) -> None:
+    def check_model(self, model: str | None, optional: bool = False) -> None:
+        """`optional`: llama.cpp's endpoints need no model; an empty one names none."""
+        if optional and not model:
+            return
         if model not in self.model_names:
             raise APIError(400, f"model {shown(model)} is not served here; this server serves "
                                 f"{self.model_names[0]!r}", "model", "model_not_found")
@@ -153,6 +170,60 @@ class RequestPreparer:
             check_text("prompt", prompt)
             return encode_text(self.tokenizer, prompt, add_bos=None)
         return list(prompt)
+
+    def suffix_prompt(self, prefix: Any, suffix: str, max_tokens: int) -> list[int]:
+        """OpenAI's `suffix`: the prompt is the text before the gap."""
+        if not isinstance(prefix, str):
+            raise InvalidArgument("prompt", "with suffix, prompt must be text (the text "
+                                            "before the gap), not token ids")
+        check_text("prompt", prefix)
+        return self.fim.render(prefix, suffix, max_len=self.max_len, n_predict=max_tokens,
+                               param="prompt").ids
+
+    # -- llama.cpp's /completion and /infill -------------------------------------------------
+
+    def llama_completion(self, body: LlamaCompletionRequest) -> Prepared:
+        self.check_model(body.model, optional=True)
+        params = self.llama_params(body)
+        # llama.cpp ends every request at the vocabulary's end-of-generation tokens, the FIM
+        # ones included: clients that lay out FIM prompts themselves rely on it.
+        return self.llama_prepared(self.completion_prompt(body.prompt),
+                                   self.fim.with_end_ids(params), body, "prompt")
+
+    def infill(self, body: InfillRequest) -> Prepared:
+        self.check_model(body.model, optional=True)
+        self.fim.require()
+        params = self.llama_params(body)
+        extra = [(c.filename, c.text) for c in body.input_extra]
+        for name, text in [("input_prefix", body.input_prefix),
+                           ("input_suffix", body.input_suffix), ("prompt", body.prompt)] + [
+                (f"input_extra[{i}].{key}", value) for i, chunk in enumerate(extra)
+                for key, value in zip(("filename", "text"), chunk)]:
+            check_text(name, text)
+        rendered = self.fim.render(body.input_prefix, body.input_suffix, extra, body.prompt,
+                                   max_len=self.max_len, n_predict=max(body.n_predict, 0),
+                                   param="prompt")
+        return self.llama_prepared(rendered.ids, self.fim.with_end_ids(params), body,
+                                   "input_prefix", truncated=rendered.truncated)
+
+    def llama_params(self, body: LlamaCppRequest) -> SamplingParams:
+        params = body.sampling_params(self.max_tokens_cap)
+        self.check_stops(params.stop)
+        return params
+
+    def llama_prepared(self, ids: list[int], params: SamplingParams, body: LlamaCppRequest,
+                       param: str, truncated: bool = False) -> Prepared:
+        """n_predict as llama.cpp reads it: -1 until the context is full (the server's cap
+        applies), 0 the prompt's prefill alone (the one token it samples is not reported)."""
+        check_prompt(ids, self.vocab_size, self.max_len, param=param)
+        if body.n_predict > 0:
+            check_room(len(ids), body.n_predict, self.max_len, param="n_predict")
+        max_tokens = (body.n_predict if body.n_predict > 0 else 1 if body.n_predict == 0
+                      else min(self.max_len - len(ids), self.max_tokens_cap))
+        params = dataclasses.replace(params, max_tokens=max_tokens)
+        check_request(ids, params, SamplingParams, self.vocab_size, self.max_len)
+        limits = LineLimits(max(body.n_indent, 0), max(body.t_max_predict_ms, 0))
+        return Prepared([ids], [params], limits=limits, truncated=truncated)
 
     def chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
         if not body.messages:

@@ -1,4 +1,5 @@
-"""The OpenAI request bodies (pydantic, strict types) and the response/chunk payloads.
+"""The OpenAI request bodies (pydantic, strict types) and the response/chunk payloads, and
+llama.cpp's for its /completion and /infill (`LlamaCppRequest`, `LlamaFormat`).
 
 Types are checked by pydantic (FastAPI's 422 becomes a 400, see `errors.py`); values by
 `specjax.validation`, the same checks `SamplingParams` and the engine run. Options the engine
@@ -180,7 +181,9 @@ def sample_seed(seed: int | None, i: int) -> int | None:
 
 
 class CompletionRequest(GenerationRequest):
-    """POST /v1/completions. `prompt`: text, token ids, or a list of either (batched)."""
+    """POST /v1/completions. `prompt`: text, token ids, or a list of either (batched); with
+    `suffix`, each text prompt is the prefix of a fill-in-the-middle prompt
+    (`specjax.infill`)."""
 
     prompt: StrictStr | list[StrictInt] | list[StrictStr] | list[list[StrictInt]]
     best_of: StrictInt | None = None
@@ -190,8 +193,7 @@ class CompletionRequest(GenerationRequest):
 
     def unsupported(self) -> dict[str, tuple[Any, tuple]]:
         # best_of = n changes nothing (the n samples are the n best of n).
-        return {**super().unsupported(), "best_of": (self.best_of, (None, self.num_samples)),
-                "suffix": (self.suffix, (None, ""))}
+        return {**super().unsupported(), "best_of": (self.best_of, (None, self.num_samples))}
 
     def logprob_fields(self) -> dict[str, int | None]:
         if self.logprobs is None:
@@ -270,6 +272,103 @@ class ChatCompletionRequest(GenerationRequest):
         return self.max_tokens, "max_tokens"
 
 
+# -- llama.cpp's /completion and /infill ---------------------------------------------------------
+
+# llama.cpp's sampling defaults (common/common.h) and its sampler names, with their aliases.
+LLAMA_DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05}
+LLAMA_DEFAULT_SAMPLERS = ("penalties", "dry", "top_n_sigma", "top_k", "typ_p", "top_p",
+                          "min_p", "xtc", "temperature")
+LLAMA_SAMPLERS = {**{name: name for name in LLAMA_DEFAULT_SAMPLERS + ("infill",)},
+                  "top-k": "top_k", "top-p": "top_p", "nucleus": "top_p", "min-p": "min_p",
+                  "temp": "temperature", "typ-p": "typ_p", "typ": "typ_p",
+                  "typical": "typ_p", "typical-p": "typ_p", "top-n-sigma": "top_n_sigma"}
+LLAMA_RANDOM_SEED = UINT32_MAX        # llama.cpp's "draw one", as is -1
+MAX_LLAMA_STOP_STRINGS = 16           # editors' FIM templates send about ten
+
+
+class LlamaCppRequest(_Strict):
+    """The fields of llama.cpp's generation endpoints specjax honours, with llama.cpp's
+    defaults. A sampler left out of `samplers` is off (llama.cpp's rule: without
+    "temperature" the draw is at 1); those specjax lacks ("dry", "xtc", "typ_p",
+    "top_n_sigma", "penalties") are off by their defaults, and their fields are refused;
+    "infill" (llama.cpp's end-of-text heuristic) is not applied. Penalties are refused unless
+    neutral: llama.cpp counts the last `repeat_last_n` tokens, specjax every token."""
+
+    model: StrictStr | None = None
+    n_predict: StrictInt = -1               # -1: until the context is full; 0: prefill only
+    temperature: Number | None = None
+    top_k: StrictInt | None = None
+    top_p: Number | None = None
+    min_p: Number | None = None
+    seed: StrictInt | None = None
+    stop: list[StrictStr] | None = None
+    samplers: list[StrictStr] | None = None
+    repeat_penalty: Number | None = None
+    presence_penalty: Number | None = None
+    frequency_penalty: Number | None = None
+    stream: StrictBool = False
+    return_tokens: StrictBool = False
+    response_fields: list[StrictStr] | None = None
+    n_indent: StrictInt = 0                 # these two: off at 0 or below, as in llama.cpp
+    t_max_predict_ms: StrictInt = 0
+    # Accepted, changing nothing: the prefix cache is always on, the engine places requests,
+    # and llama.cpp itself does not implement t_max_prompt_ms.
+    cache_prompt: StrictBool | None = None
+    id_slot: StrictInt | None = None
+    t_max_prompt_ms: StrictInt | None = None
+
+    def sampling_params(self, max_tokens_cap: int) -> SamplingParams:
+        """Every value check, naming the field; max_tokens stands in for n_predict, which
+        the prompt's room decides (`prepare.RequestPreparer.llama_prepared`)."""
+        check_int("n_predict", self.n_predict, low=-1)
+        if self.n_predict > max_tokens_cap:
+            raise InvalidArgument("n_predict", f"n_predict must be <= {max_tokens_cap} (this "
+                                               f"server's limit), got {self.n_predict}")
+        on = set()
+        for name in LLAMA_DEFAULT_SAMPLERS if self.samplers is None else self.samplers:
+            if name not in LLAMA_SAMPLERS:
+                known = ", ".join(sorted(set(LLAMA_SAMPLERS.values())))
+                raise InvalidArgument("samplers", f"samplers: unknown sampler {shown(name)}; "
+                                                  f"llama.cpp's are {known}")
+            on.add(LLAMA_SAMPLERS[name])
+        for name, neutral in (("repeat_penalty", 1), ("presence_penalty", 0),
+                              ("frequency_penalty", 0)):
+            check_unsupported(name, getattr(self, name), (None, neutral))
+
+        def pick(name: str, off: float) -> Any:
+            value = getattr(self, name)
+            return off if name not in on else LLAMA_DEFAULTS[name] if value is None else value
+
+        stop = list(self.stop or ())
+        check_stop(stop, MAX_LLAMA_STOP_STRINGS)
+        seed = None if self.seed in (None, -1, LLAMA_RANDOM_SEED) else self.seed
+        return SamplingParams(max_tokens=max(self.n_predict, 1),
+                              temperature=pick("temperature", 1.0),
+                              top_k=max(pick("top_k", 0), 0), top_p=pick("top_p", 1.0),
+                              min_p=pick("min_p", 0.0), seed=seed, stop=tuple(stop))
+
+
+class LlamaCompletionRequest(LlamaCppRequest):
+    """POST /completion: text (special tokens parsed, BOS as the tokenizer says) or ids."""
+
+    prompt: StrictStr | list[StrictInt]
+
+
+class ExtraChunk(_Strict):
+    filename: StrictStr = "tmp"      # llama.cpp's name for a chunk without one
+    text: StrictStr
+    time: Any = None                 # llama.vim's, unused (as by llama.cpp)
+
+
+class InfillRequest(LlamaCppRequest):
+    """POST /infill (`specjax.infill`)."""
+
+    input_prefix: StrictStr
+    input_suffix: StrictStr
+    input_extra: list[ExtraChunk] = []
+    prompt: StrictStr = ""
+
+
 # -- responses ---------------------------------------------------------------------------------
 
 def new_id(prefix: str) -> str:
@@ -302,6 +401,7 @@ class CompletionFormat:
     of top logprobs a chat token lists (unused here: completions list the engine's dict)."""
 
     object_name, chunk_object = "text_completion", "text_completion"
+    sse_done = True   # a stream ends with `data: [DONE]`
 
     def __init__(self, model: str, texts: TokenTexts | None = None, top_k: int = 0):
         self.id, self.model, self.created = new_id("cmpl"), model, int(time.time())
@@ -315,6 +415,12 @@ class CompletionFormat:
 
     def first_chunks(self, num_choices: int) -> list[dict[str, Any]]:
         return []
+
+    def chunks(self, index: int, text: str, entries: list[TokenLogprob] | None,
+               out: RequestOutput, with_usage: bool) -> list[dict[str, Any]]:
+        """The events one output of a stream makes."""
+        return [self.chunk(index, text, entries, finish_reason(out) if out.finished else None,
+                           with_usage)]
 
     def chunk(self, index: int, text: str, entries: list[TokenLogprob] | None,
               reason: str | None, with_usage: bool) -> dict[str, Any]:
@@ -372,8 +478,108 @@ class ChatFormat(CompletionFormat):
                 "logprobs": self.logprobs(entries), "finish_reason": finish_reason(out)}
 
 
+class LlamaFormat:
+    """Payloads of llama.cpp's /completion and /infill (one choice): `content`, `stop`, token
+    counts, `stop_type` ("eos", "word", "limit") and `stopping_word`, `truncated`,
+    `tokens_cached` and `timings`; streamed as `{"content": ..., "stop": false}` events, then
+    a final `stop: true` object and no [DONE]. A warm-up (n_predict 0) reports nothing
+    generated. `response_fields` picks fields as llama.cpp does ("timings/prompt_n": a flat key
+    for a nested value). `end_ids` are the ids that end a request as "eos"."""
+
+    sse_done = False
+
+    def __init__(self, model: str, tokenizer: Any, end_ids: Sequence[int], stops: Sequence[str],
+                 warm_up: bool = False, truncated: bool = False, return_tokens: bool = False,
+                 response_fields: Sequence[str] | None = None):
+        self.model, self.tokenizer = model, tokenizer
+        self.end_ids, self.stops = frozenset(end_ids), tuple(stops)
+        self.warm_up, self.truncated, self.return_tokens = warm_up, truncated, return_tokens
+        self.response_fields = response_fields
+        self._streamed = 0    # tokens reported by the events so far
+
+    def first_chunks(self, num_choices: int) -> list[dict[str, Any]]:
+        return []
+
+    def chunks(self, index: int, text: str, entries: Any, out: RequestOutput,
+               with_usage: bool) -> list[dict[str, Any]]:
+        events = []
+        if text and not self.warm_up:
+            ids = out.token_ids_from(self._streamed)   # only the new ones: no copy per event
+            self._streamed += len(ids)
+            events.append({"index": index, "content": text,
+                           "tokens": ids if self.return_tokens else [], "stop": False,
+                           **self._counts(out, self._streamed)})
+        if out.finished:   # its text went out in the events before (llama.cpp's too)
+            events.append(self.final(out, "", streamed=True))
+        return events
+
+    def choice(self, index: int, text: str, entries: Any, out: RequestOutput) -> dict[str, Any]:
+        return self.final(out, text)
+
+    def response(self, choices: list[dict[str, Any]], totals: dict[str, int]) -> dict[str, Any]:
+        return choices[0]
+
+    def _counts(self, out: RequestOutput, generated: int | None = None) -> dict[str, int]:
+        generated = len(out.token_ids) if generated is None else generated
+        return {"tokens_predicted": 0 if self.warm_up else generated,
+                "tokens_evaluated": len(out.prompt_token_ids)}
+
+    def final(self, out: RequestOutput, text: str, streamed: bool = False) -> dict[str, Any]:
+        text = "" if self.warm_up else text
+        stop_type, word = self._stop(out)
+        listed = self.return_tokens and not (self.warm_up or streamed)
+        body = {"index": 0, "content": text, "tokens": out.token_ids if listed else [],
+                "stop": True, "model": self.model, **self._counts(out),
+                "has_new_line": "\n" in text,
+                "truncated": self.truncated, "stop_type": stop_type, "stopping_word": word,
+                "tokens_cached": out.stats.num_cached_tokens, "timings": self._timings(out)}
+        return body if self.response_fields is None else pick_fields(body, self.response_fields)
+
+    def _stop(self, out: RequestOutput) -> tuple[str, str]:
+        if out.finish_reason != "stop":
+            return "limit", ""
+        if out.token_ids and out.token_ids[-1] in self.end_ids:
+            return "eos", ""
+        whole = self.tokenizer.decode(out.token_ids)
+        return "word", next((s for s in self.stops if whole.startswith(s, len(out.text))), "")
+
+    def _timings(self, out: RequestOutput) -> dict[str, float]:
+        """llama.cpp's timings; the prompt's from the request's arrival (queueing
+        included) to its first token."""
+        s, now = out.stats, time.perf_counter()
+        first = s.first_token_time or now
+        timings = {"cache_n": s.num_cached_tokens}
+        for phase, n, ms in (
+                ("prompt", len(out.prompt_token_ids) - s.num_cached_tokens,
+                 (first - s.arrival_time) * 1e3),
+                ("predicted", self._counts(out)["tokens_predicted"],
+                 ((s.finish_time or now) - first) * 1e3)):
+            # JSON has no inf: a phase without tokens or time rates 0.
+            timings.update({f"{phase}_n": n, f"{phase}_ms": ms,
+                            f"{phase}_per_token_ms": ms / n if n else 0.0,
+                            f"{phase}_per_second": 1e3 * n / ms if ms > 0 else 0.0})
+        if s.num_draft_tokens:
+            timings.update(draft_n=s.num_draft_tokens,
+                           draft_n_accepted=s.num_accepted_draft_tokens)
+        return timings
+
+
+def pick_fields(body: dict[str, Any], paths: Sequence[str]) -> dict[str, Any]:
+    """llama.cpp's response_fields: each "a/b" path that exists, as a flat key."""
+    picked = {}
+    for path in paths:
+        value, found = body, True
+        for key in path.split("/"):
+            found = found and isinstance(value, dict) and key in value
+            value = value[key] if found else None
+        if found:
+            picked[path] = value
+    return picked
+
+
 def request_field_names() -> frozenset[str]:
     """Every field name of the request models (to tell them from pydantic's union tags)."""
-    models = (StreamOptions, CompletionRequest, ChatCompletionRequest, ChatMessage, TextPart)
+    models = (StreamOptions, CompletionRequest, ChatCompletionRequest, ChatMessage, TextPart,
+              LlamaCompletionRequest, InfillRequest, ExtraChunk)
     return frozenset(name for m in models for name in m.model_fields)
 

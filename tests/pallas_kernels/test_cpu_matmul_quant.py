@@ -79,6 +79,42 @@ def test_mixed_types_stack_in_one_layout_that_holds_each_exactly():
                                       as_float(raw, t))
 
 
+@pytest.mark.skipif(quant._native_pack() is None, reason="the kernel library is not built")
+@pytest.mark.parametrize("qtype", quant.TYPES)
+def test_native_pack_makes_the_numpy_paths_bytes(qtype):
+    """pack.cc (the loader's one pass over a file) against the numpy path, byte for byte, into
+    the type's own layout and every wider one that holds it (a stack that mixes types), with
+    GGUF's edge cases in the blocks: zero and negative scales, subnormal halves, every value."""
+    raw = gguf_blocks(qtype, 2 * PANEL, K, seed=3)
+    blocks = raw.reshape(2 * PANEL, -1, quant.BLOCK_BYTES[qtype])
+    halves = np.array([0, 0x8000, 0x0001, 0x03FF, 0xBC00], np.uint16).view(np.uint8)
+    at = 208 if qtype == "Q6_K" else 0
+    for i in range(5):  # block 0 of rows 0..4: d = +0, -0, two subnormals, -1
+        blocks[i, 0, at:at + 2] = halves[2 * i:2 * i + 2]
+    own = quant.FORMATS[qtype]
+    wider = {own, own._replace(bits=8), own._replace(bits=8, half=False),
+             quant.Format(8, 16)}
+    for f in wider:
+        native = quant.pack_gguf(raw, qtype, f)
+        np.testing.assert_array_equal(native.view(np.uint8),
+                                      quant.pack_numpy(raw, qtype, f).view(np.uint8),
+                                      err_msg=str(f))
+        assert native.ctypes.data % 4096 == 0  # device_put shares it, no copy
+    stacked = quant.pack_gguf_stack([(raw, qtype), (gguf_blocks("Q6_K", 2 * PANEL, K), "Q6_K")])
+    np.testing.assert_array_equal(stacked[0], quant.pack_numpy(raw, qtype, quant.Format(8, 16)))
+    other = gguf_blocks(qtype, PANEL, K, seed=5)  # a layer's parts side by side: [gate | up]
+    fused = quant.pack_gguf_stack([[(raw, qtype), (other, qtype)]] * 2)
+    np.testing.assert_array_equal(fused, np.stack([np.concatenate(
+        [quant.pack_numpy(raw, qtype), quant.pack_numpy(other, qtype)])] * 2))
+    if own.half:  # a min the layout would round: refused, as the numpy path refuses it
+        bad = gguf_blocks(qtype, PANEL, K)
+        bad.reshape(PANEL, -1, quant.BLOCK_BYTES[qtype])[0, 0, 0:2] = \
+            np.array([0x7BFF], np.uint16).view(np.uint8)  # 65504: -8 or -16 x it overflows
+        if qtype in ("Q4_0", "Q5_0"):
+            with pytest.raises(ValueError, match="not a float16"):
+                quant.pack_gguf(bad, qtype)
+
+
 @pytest.mark.skipif(cpu_matmul.library_path() is None, reason="the kernel is not built")
 @pytest.mark.parametrize("isa", ISAS)
 def test_half_floats_give_the_float32_layouts_products_bit_for_bit(isa):

@@ -41,6 +41,7 @@ class FakeEngine:
     max_len = 128
     model_config = types.SimpleNamespace(vocab_size=4096)
     grammars = None   # no structured output
+    eos_token_ids = ()
     stats = types.SimpleNamespace(matmul="xla (fake engine)")
 
     def __init__(self, slots: int = 1, step_delay: float = 0.0, tokenizer=None):

@@ -3,6 +3,7 @@ cancellation, an errored output that fails its request alone, a failing step tha
 the requests it was running, `fail_all`, and a bounded stop."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import time
@@ -147,6 +148,31 @@ def test_cancel_aborts_and_frees(fake):
     assert _until_final(done)[-1].finished   # the slot came back
     assert engine.aborted == [sub.request_id]
     assert None in finished             # reported to the hook as cancelled
+    assert engine.allocator.num_free_blocks == engine.allocator.total_blocks
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "whole"])
+def test_until_ends_a_request_early_and_frees_it(fake, stream, caplog):
+    engine, thread, finished = fake
+    cut = lambda out: (dataclasses.replace(out, text="cut", finish_reason="length")
+                       if len(out.token_ids) == 2 else None)
+    events: queue.Queue = queue.Queue()
+    sub = Submission([1, 2], SamplingParams(max_tokens=100), events.put, stream=stream,
+                     until=cut)
+    thread.submit(sub)
+    got = _until_final(events)
+    assert [o.token_ids for o in got] == ([[1], [1, 2]] if stream else [[1, 2]])
+    assert got[-1].text == "cut" and finished == [got[-1]]
+    assert engine.aborted == [sub.request_id]
+    # A check that raises fails its own request alone.
+    boom = lambda out: 1 / 0
+    bad = Submission([1], SamplingParams(max_tokens=100), events.put, stream=stream, until=boom)
+    thread.submit(bad)
+    with caplog.at_level(logging.ERROR, logger="specjax.serve"):
+        assert _until_final(events) == [EngineFailure(REQUEST_FAILED)]
+    assert len(thread.errors) == 1 and engine.aborted == [sub.request_id, bad.request_id]
+    thread.errors.clear()
+    assert _until_final(_submit(thread, max_tokens=2)[1])[-1].token_ids == [1, 2]
     assert engine.allocator.num_free_blocks == engine.allocator.total_blocks
 
 
