@@ -14,7 +14,6 @@ first `content` chunk; `cached` is the prompt tokens its prefill skipped.
 from __future__ import annotations
 
 import argparse
-import argparse as _argparse_module  # its source: the bench's code context
 import inspect
 import json
 import os
@@ -49,7 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _context(prefix_lines: int, suffix_lines: int) -> tuple[str, str, list[dict]]:
-    lines = inspect.getsource(_argparse_module).splitlines(keepends=True)
+    lines = inspect.getsource(argparse)  # the bench's code context.splitlines(keepends=True)
     start = min(1200, max(0, len(lines) - prefix_lines - suffix_lines - 1))
     prefix = "".join(lines[start:start + prefix_lines])
     suffix = "".join(lines[start + prefix_lines + 1:start + prefix_lines + 1 + suffix_lines])
