@@ -48,7 +48,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _context(prefix_lines: int, suffix_lines: int) -> tuple[str, str, list[dict]]:
-    lines = inspect.getsource(argparse)  # the bench's code context.splitlines(keepends=True)
+    # the bench's code context: a real source file, the same everywhere
+    lines = inspect.getsource(argparse).splitlines(keepends=True)
     start = min(1200, max(0, len(lines) - prefix_lines - suffix_lines - 1))
     prefix = "".join(lines[start:start + prefix_lines])
     suffix = "".join(lines[start + prefix_lines + 1:start + prefix_lines + 1 + suffix_lines])
