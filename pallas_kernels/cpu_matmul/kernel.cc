@@ -11,19 +11,20 @@
 // or the thread split: a row's result is bit-identical alone or among many, so a verify step's
 // logits equal the plain step's exactly (greedy speculative output equals plain greedy).
 //
-// Quantized weights (quant.py: GGUF's blocks repacked into the same panels, 4- or 8-bit integers
-// q with a scale s and min m per column and block of qk inputs, W = q * s + m, in float32, or in
-// half precision where GGUF's own are (the _0 and _1 types: 5 and 9 bits a weight, not 6 and 10);
-// the k's interleaved in pairs) stream the same way at a quarter or an eighth of the bytes, and the
-// products are integer ones: each row of x is quantized per block to 16 bits (xq = x / dx,
-// dx = max |x| / 32767: a relative error of 2^-16 of the block's largest entry, where the
-// weights' own is 2^-4..2^-8), and a block's sum_k xq_k q_k is exact in int32 (VNNI's
-// vpdpwssd, 32 products an instruction: twice a float FMA's). Then, in float, per block:
-// y += (s * dx) * sum + m * sum_k x_k. Every step of that is exact or rounded the same way
-// whatever M, the row group, the thread split or the instruction set: a row's result is the
-// same bit for bit alone or in a verify step, on any of them.
+// Quantized weights (quant.py: each GGUF type's own fields regrouped into the same panels, a
+// super-block row at a time: 4-bit low planes, 1- or 2-bit high planes, integer sub-block scales
+// and mins, half-precision d and dmin; about the file's bytes) stream the same way, and the
+// products are integer ones: each row of x is quantized per sub-block of qs to 16 bits (xq =
+// x / dx, dx = max |x| / 32767: a relative error of 2^-16 of the block's largest entry, where the
+// weights' own is 2^-4..2^-8), and a sub-block's sum_k xq_k q_k is exact in int32 (vpmaddwd, 16
+// products an instruction). Then, in float, per sub-block: y += (s * dx) * sum + m * sum_k x_k,
+// s = d * sc and m = -dmin * mn formed exactly from the fields. Every step of that is exact or
+// rounded the same way whatever M, the row group, the thread split or the instruction set: a
+// row's result is the same bit for bit alone or in a verify step, on any of them.
 //
 // ISA chosen at run time (AVX-512F, AVX2+FMA, portable C++); threads from XLA's intra-op pool.
+// AVX-512 machines run the AVX2 path's quantized kernels (AVX-512 variants are not written
+// yet: nothing here may run untested on a CPU it was not measured on).
 #include <atomic>
 #include <cstdint>
 #include <cstdlib>
@@ -49,23 +50,53 @@ constexpr int64_t KB = 128;    // panel rows per L1 block: 128 x 32 x 4 B = 16 K
 // half the rate of 1 (2-core Xeon). Into L1 instead, the core's few line-fill buffers cap the
 // stream; 64..512 rows ahead measured alike, 16..32 worse.
 constexpr int64_t kPrefetchRows = 64;
+// A quantized panel is prefetched this many bytes ahead of the super-block row being read
+// (as the float path's 8 KiB).
+constexpr int64_t kPrefetchBytes = 8192;
 
-// A quantized weight's layout (quant.py): per panel nb block rows of row_bytes, each qk k's
-// of values (bits 4: PANEL / 2 bytes a k, column j in byte j % 16's low (j < 16) or high
-// nibble; 8: PANEL int8; the two k's of a pair interleaved byte by byte) then PANEL scales and
-// PANEL mins, float32 or (half) float16. A half is widened exactly: the products that follow
-// are the float32 layout's to the bit.
+inline void prefetch_ahead(const uint8_t* row, int64_t row_bytes) {
+#ifdef SPECJAX_X86
+  for (int64_t off = 0; off < row_bytes; off += 64)
+    _mm_prefetch((const char*)(row + kPrefetchBytes + off), _MM_HINT_T1);
+#endif
+}
+
+// A quantized weight's type (quant.py: FORMATS, the same fields): inputs a super-block row
+// covers (sb) and a sub-block scale covers (qs, the block x is rounded in), value bits above
+// the low nibble, integer fields a column and sub-block, half fields a column and super-block.
+struct QuantType {
+  int sb, qs, high, ints, halves;
+  bool int8;
+  int subs() const { return sb / qs; }
+  int64_t sub_bytes() const { return int8 ? qs * PANEL : qs * PANEL / 2 + qs * 4 * high; }
+  int64_t ints_at() const { return subs() * sub_bytes(); }
+  int64_t halves_at() const { return ints_at() + subs() * PANEL * ints; }
+  int64_t row_bytes() const { return halves_at() + 2 * PANEL * halves; }
+};
+
+// quant.TYPES order.
+enum { Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, kTypes };
+constexpr QuantType kTypeOf[kTypes] = {
+    {32, 32, 0, 0, 1, true}, {32, 32, 0, 0, 1, false}, {32, 32, 0, 0, 2, false},
+    {32, 32, 1, 0, 1, false}, {32, 32, 1, 0, 2, false}, {256, 32, 0, 2, 2, false},
+    {256, 32, 1, 2, 2, false}, {256, 16, 2, 1, 1, false}};
+
+// The type whose packed super-block row is `row_bytes` long (quant.format_of), or -1.
+int type_of_row(int64_t row_bytes) {
+  for (int t = 0; t < kTypes; ++t)
+    if (kTypeOf[t].row_bytes() == row_bytes) return t;
+  return -1;
+}
+
 struct QuantLayout {
-  const uint8_t* q = nullptr;  // [P, nb, row_bytes]; null: the weight is float (Problem::w)
-  // Per call (QuantizedRows): x in 16 bits [M, K], its scales and block sums [M, nb].
-  const int16_t* xq = nullptr;
+  const uint8_t* q = nullptr;  // [P, nsb, row_bytes]; null: the weight is float (Problem::w)
+  // Per call (QuantizedRows): x in 8 bits [M, K]; per block of qs: its scale, its float sum
+  // and its sum of the 8-bit values [M, nb].
+  const int8_t* xq = nullptr;
   const float *dx = nullptr, *xsum = nullptr;
-  int bits = 0;
-  bool half = false;
-  int64_t qk = 0, nb = 0, row_bytes = 0;
-  int kind() const {  // Isa::quant's first index
-    return (half ? 3 : 0) + (bits == 4 ? 0 : qk == 32 ? 1 : 2);
-  }
+  const int32_t* xqsum = nullptr;
+  int type = 0;
+  int64_t nsb = 0, nb = 0, row_bytes = 0;
 };
 
 struct Problem {
@@ -76,21 +107,11 @@ struct Problem {
   QuantLayout quant;
 };
 
-// Block rows this far ahead of the one being read are prefetched into L2 (6..10 KiB, as the
-// float path's kPrefetchRows).
-constexpr int64_t kPrefetchBlocks = 8;
-
-inline void prefetch_block(const uint8_t* row, int64_t row_bytes) {
-#ifdef SPECJAX_X86
-  for (int64_t off = 0; off < row_bytes; off += 64)
-    _mm_prefetch((const char*)(row + kPrefetchBlocks * row_bytes + off), _MM_HINT_T1);
-#endif
-}
-
-// Rows of x (R of them: the template's; xq, dx and xsum at their first) times one quantized
-// panel -> y (its first column).
-using QuantFn = void (*)(const int16_t* xq, const float* dx, const float* xsum, int64_t K,
-                         const uint8_t* panel, const QuantLayout& ql, float* y, int64_t ldy);
+// Rows of x (R of them: the template's; xq, dx, xsum, xqsum at their first) times one
+// quantized panel -> y (its first column).
+using QuantFn = void (*)(const QuantLayout& ql, int64_t K, const int8_t* xq, const float* dx,
+                         const float* xsum, const int32_t* xqsum, const uint8_t* panel,
+                         float* y, int64_t ldy);
 
 // One row chunk (rows rows of x) times one block of one panel: kc panel rows from w (already
 // offset to the block), accumulating into y (first: start from zero). cols <= PANEL valid
@@ -103,20 +124,14 @@ struct Isa {
   int64_t max_rows;
   MicroFn micro[16];  // by rows - 1
   int64_t quant_rows;
-  // [4 bits; 8 bits, qk 32; 8 bits, qk 16; the first two with half scales][rows - 1]
-  QuantFn quant[5][16];
+  QuantFn quant[kTypes][4];  // [type][rows - 1]
 };
 
-// One row's 16-bit pair (xq[k], xq[k + 1]) as the 32-bit word the integer dot instructions take.
-inline int32_t pair(const int16_t* xq) {
+// One row's quad xq[k..k + 3] as the 32-bit word the integer dot instructions take.
+inline int32_t quad(const int8_t* xq) {
   int32_t v;
   std::memcpy(&v, xq, 4);
   return v;
-}
-
-// The float end of a block, the same on every path: y += (s * dx) * float(sum) + m * xsum.
-inline float block_end(float y, int32_t sum, float s, float dx, float m, float xsum) {
-  return __builtin_fmaf(xsum, m, __builtin_fmaf((float)sum, s * dx, y));
 }
 
 // A half-precision value as float32 (exact: every half is a float).
@@ -135,40 +150,81 @@ inline float half_to_float(uint16_t h) {
   return f;
 }
 
-// Column j's scale (what = 0) or min (what = 1) in a block row's tail.
-template <bool HALF>
-inline float tail_at(const uint8_t* tail, int what, int64_t j) {
-  if (HALF) {
-    uint16_t h;
-    std::memcpy(&h, tail + 2 * (what * PANEL + j), 2);
-    return half_to_float(h);
-  }
-  float f;
-  std::memcpy(&f, tail + 4 * (what * PANEL + j), 4);
-  return f;
-}
+// Types with a min term (m * sum_k x_k): all but Q8_0 and Q6_K (whose -32 offset is summed in
+// integers: sum q x - 32 sum xq).
+constexpr bool has_min(int T) { return T != Q8_0 && T != Q6_K; }
 
 // ---- portable, the reference for the vector paths below -----------------------------------
-template <int BITS, int QK, bool HALF, int R>
-void quant_portable(const int16_t* xq, const float* dx, const float* xsum, int64_t K,
-                    const uint8_t* panel, const QuantLayout& ql, float* y, int64_t ldy) {
+// Column j's value at k of a sub-block (quant.py's planes).
+template <int T>
+inline int32_t value_at(const uint8_t* sub, int k, int64_t j) {
+  constexpr QuantType t = kTypeOf[T];
+  const int e = k % 4, g = k / 4;
+  if (t.int8) return (int8_t)sub[g * 4 * PANEL + 4 * j + e];
+  const int64_t v = j / 16, h = (j / 8) % 2, c = j % 8;
+  int32_t q = (sub[g * 2 * PANEL + PANEL * v + 4 * c + e] >> (4 * h)) & 15;
+  if (t.high) {
+    constexpr int per = t.high ? 2 / t.high : 1;
+    const uint8_t* chunk = sub + t.qs * PANEL / 2 + (g / per) * PANEL;
+    q |= ((chunk[4 * c + e] >> ((((g % per) * 2 + v) * 2 + h) * t.high)) &
+          ((1 << t.high) - 1)) << 4;
+  }
+  return q;
+}
+
+// Column j's scale and min for sub-block s of a super-block row (quant.py's _scale_min, the
+// same products in the same order).
+template <int T>
+inline void scale_min_at(const uint8_t* row, int s, int64_t j, float* scale, float* mn) {
+  constexpr QuantType t = kTypeOf[T];
+  uint16_t h;
+  std::memcpy(&h, row + t.halves_at() + 2 * j, 2);
+  const float d = half_to_float(h);
+  float d2 = 0.f;
+  if (t.halves == 2) {
+    std::memcpy(&h, row + t.halves_at() + 2 * PANEL + 2 * j, 2);
+    d2 = half_to_float(h);
+  }
+  const uint8_t* ints = row + t.ints_at();
+  if (T == Q6_K) {
+    *scale = d * (float)(int8_t)ints[s * PANEL + j];
+  } else if (t.ints == 2) {
+    *scale = d * (float)ints[s * PANEL + j];
+    *mn = -(d2 * (float)ints[(t.subs() + s) * PANEL + j]);
+  } else {
+    *scale = d;
+    *mn = t.halves == 2 ? d2 : (float)(-(8 << t.high)) * d;
+  }
+}
+
+template <int T, int R>
+void quant_portable(const QuantLayout& ql, int64_t K, const int8_t* xq, const float* dx,
+                    const float* xsum, const int32_t* xqsum, const uint8_t* panel, float* y,
+                    int64_t ldy) {
+  constexpr QuantType t = kTypeOf[T];
   float acc[R][PANEL] = {};
-  for (int64_t b = 0; b < ql.nb; ++b) {
-    const uint8_t* v = panel + b * ql.row_bytes;
-    const uint8_t* tail = v + QK * PANEL * BITS / 8;
-    int32_t c[R][PANEL] = {};
-    for (int k = 0; k < QK; ++k)
+  for (int64_t sb = 0; sb < ql.nsb; ++sb) {
+    const uint8_t* row = panel + sb * ql.row_bytes;
+    for (int s = 0; s < t.subs(); ++s) {
+      const uint8_t* sub = row + s * t.sub_bytes();
+      const int64_t b = sb * t.subs() + s;  // x's block
+      int32_t c[R][PANEL] = {};
+      for (int k = 0; k < t.qs; ++k)
+        for (int64_t j = 0; j < PANEL; ++j) {
+          const int32_t q = value_at<T>(sub, k, j);
+          for (int r = 0; r < R; ++r) c[r][j] += q * xq[r * K + b * t.qs + k];
+        }
       for (int64_t j = 0; j < PANEL; ++j) {
-        // k's of a pair side by side: byte 2i + k % 2 of the pair's run
-        const uint8_t* run = v + (k / 2) * PANEL * BITS / 4;
-        const int32_t q = BITS == 4 ? (run[2 * (j % 16) + k % 2] >> (4 * (j / 16))) & 15
-                                    : (int8_t)run[2 * j + k % 2];
-        for (int r = 0; r < R; ++r) c[r][j] += q * xq[r * K + b * QK + k];
+        float scale, mn = 0.f;
+        scale_min_at<T>(row, s, j, &scale, &mn);
+        for (int r = 0; r < R; ++r) {
+          const int32_t sum = T == Q6_K ? c[r][j] - 32 * xqsum[r * ql.nb + b] : c[r][j];
+          float v = __builtin_fmaf((float)sum, scale * dx[r * ql.nb + b], acc[r][j]);
+          if (has_min(T)) v = __builtin_fmaf(xsum[r * ql.nb + b], mn, v);
+          acc[r][j] = v;
+        }
       }
-    for (int r = 0; r < R; ++r)
-      for (int64_t j = 0; j < PANEL; ++j)
-        acc[r][j] = block_end(acc[r][j], c[r][j], tail_at<HALF>(tail, 0, j),
-                              dx[r * ql.nb + b], tail_at<HALF>(tail, 1, j), xsum[r * ql.nb + b]);
+    }
   }
   for (int r = 0; r < R; ++r)
     for (int64_t j = 0; j < PANEL; ++j) y[r * ldy + j] = acc[r][j];
@@ -227,70 +283,6 @@ __attribute__((target("avx512f"))) void micro_avx512(const float* x, int64_t ldx
   }
 }
 
-// A pair of k's 32 integers as int16 pairs: columns 0..15 and 16..31, (q[k], q[k + 1]) a lane.
-template <int BITS>
-__attribute__((target("avx512f,avx512bw"))) inline void q_avx512(const uint8_t* v, __m512i* a0,
-                                                                 __m512i* a1) {
-  if (BITS == 4) {
-    const __m256i n = _mm256_loadu_si256((const __m256i*)v), low = _mm256_set1_epi8(15);
-    *a0 = _mm512_cvtepu8_epi16(_mm256_and_si256(n, low));
-    *a1 = _mm512_cvtepu8_epi16(_mm256_and_si256(_mm256_srli_epi16(n, 4), low));
-  } else {
-    *a0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)v));
-    *a1 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(v + 32)));
-  }
-}
-
-// Up to 6 rows: 2 zmm of y and 2 of the block's integer sums a row, one vpdpwssd a 16
-// columns x 2 k's. (A CPU with AVX-512 but not VNNI runs the AVX2 path's.)
-// 16 of a block row's scales (what = 0) or mins (1) from column c, as floats.
-template <bool HALF>
-__attribute__((target("avx512f"))) inline __m512 tail16_avx512(const uint8_t* tail, int what,
-                                                              int c) {
-  if (HALF)
-    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(tail + 2 * (what * PANEL + c))));
-  return _mm512_loadu_ps((const float*)(tail + 4 * (what * PANEL + c)));
-}
-
-template <int BITS, int QK, bool HALF, int R>
-__attribute__((target("avx512f,avx512bw,avx512vnni"))) void quant_avx512(
-    const int16_t* xq, const float* dx, const float* xsum, int64_t K, const uint8_t* panel,
-    const QuantLayout& ql, float* y, int64_t ldy) {
-  __m512 y0[R], y1[R];
-  for (int r = 0; r < R; ++r) y0[r] = y1[r] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < ql.nb; ++b) {
-    const uint8_t* v = panel + b * ql.row_bytes;
-    prefetch_block(v, ql.row_bytes);
-    const uint8_t* tail = v + QK * PANEL * BITS / 8;
-    const int16_t* xb = xq + b * QK;
-    __m512i c0[R], c1[R];
-    for (int r = 0; r < R; ++r) c0[r] = c1[r] = _mm512_setzero_si512();
-    for (int k = 0; k < QK; k += 2, v += PANEL * BITS / 4) {
-      __m512i a0, a1;
-      q_avx512<BITS>(v, &a0, &a1);
-      for (int r = 0; r < R; ++r) {
-        const __m512i bx = _mm512_set1_epi32(pair(xb + r * K + k));
-        c0[r] = _mm512_dpwssd_epi32(c0[r], a0, bx);
-        c1[r] = _mm512_dpwssd_epi32(c1[r], a1, bx);
-      }
-    }
-    const __m512 s0 = tail16_avx512<HALF>(tail, 0, 0), s1 = tail16_avx512<HALF>(tail, 0, 16);
-    const __m512 m0 = tail16_avx512<HALF>(tail, 1, 0), m1 = tail16_avx512<HALF>(tail, 1, 16);
-    for (int r = 0; r < R; ++r) {
-      const __m512 d = _mm512_set1_ps(dx[r * ql.nb + b]);
-      const __m512 xs = _mm512_set1_ps(xsum[r * ql.nb + b]);
-      y0[r] = _mm512_fmadd_ps(xs, m0, _mm512_fmadd_ps(_mm512_cvtepi32_ps(c0[r]),
-                                                      _mm512_mul_ps(s0, d), y0[r]));
-      y1[r] = _mm512_fmadd_ps(xs, m1, _mm512_fmadd_ps(_mm512_cvtepi32_ps(c1[r]),
-                                                      _mm512_mul_ps(s1, d), y1[r]));
-    }
-  }
-  for (int r = 0; r < R; ++r) {
-    _mm512_storeu_ps(y + r * ldy, y0[r]);
-    _mm512_storeu_ps(y + r * ldy + 16, y1[r]);
-  }
-}
-
 // ---- AVX2 + FMA: a panel is four ymm; up to 3 rows = 12 accumulators --------------------
 __attribute__((target("avx2"))) inline __m256i lane_mask(int64_t valid) {
   const __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
@@ -326,65 +318,131 @@ __attribute__((target("avx2,fma"))) void micro_avx2(const float* x, int64_t ldx,
     for (int v = 0; v < 4; ++v) _mm256_maskstore_ps(y + r * ldy + 8 * v, m[v], a[r][v]);
 }
 
-// 8 of a block row's scales (what = 0) or mins (1) from column c, as floats.
-template <bool HALF>
-__attribute__((target("avx2,f16c"))) inline __m256 tail8_avx2(const uint8_t* tail, int what,
-                                                             int c) {
-  if (HALF)
-    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(tail + 2 * (what * PANEL + c))));
-  return _mm256_loadu_ps((const float*)(tail + 4 * (what * PANEL + c)));
+// 8 half fields from column c as floats.
+__attribute__((target("avx2,f16c"))) inline __m256 halves8(const uint8_t* at, int c) {
+  return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(at + 2 * c)));
+}
+
+// 8 integer fields (one byte each, signed for Q6_K) from column c as floats.
+template <bool SIGNED>
+__attribute__((target("avx2"))) inline __m256 ints8(const uint8_t* at, int c) {
+  const __m128i b = _mm_loadl_epi64((const __m128i*)(at + c));
+  return _mm256_cvtepi32_ps(SIGNED ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b));
+}
+
+// Quad g of a sub-block, half v of the panel (columns 16 v .. 16 v + 15) as bytes, four k's
+// a lane: columns 16 v + 0..7 in w0, 16 v + 8..15 in w1 (unsigned; Q8_0's signed).
+template <int T>
+__attribute__((target("avx2"))) inline void quad_values(const uint8_t* sub, int g, int v,
+                                                       __m256i* w0, __m256i* w1) {
+  constexpr QuantType t = kTypeOf[T];
+  if (t.int8) {
+    *w0 = _mm256_loadu_si256((const __m256i*)(sub + g * 4 * PANEL + 2 * PANEL * v));
+    *w1 = _mm256_loadu_si256((const __m256i*)(sub + g * 4 * PANEL + 2 * PANEL * v + PANEL));
+    return;
+  }
+  const __m256i n = _mm256_loadu_si256((const __m256i*)(sub + g * 2 * PANEL + PANEL * v));
+  const __m256i low = _mm256_set1_epi8(15);
+  *w0 = _mm256_and_si256(n, low);
+  *w1 = _mm256_and_si256(_mm256_srli_epi16(n, 4), low);
+  if (t.high) {
+    // bits ((2 (g % per) + v) 2 + h) high (and the next, for 2) of each byte -> bits 4 (, 5):
+    // a 16-bit shift moves both bytes' bits alike; the mask drops what crossed between them
+    constexpr int per = t.high ? 2 / t.high : 1;
+    const __m256i chunk = _mm256_loadu_si256(
+        (const __m256i*)(sub + t.qs * PANEL / 2 + (g / per) * PANEL));
+    const __m256i mask = _mm256_set1_epi8(t.high == 1 ? 0x10 : 0x30);
+    __m256i* w[2] = {w0, w1};
+    for (int h = 0; h < 2; ++h) {
+      const int at = (((g % per) * 2 + v) * 2 + h) * t.high;
+      const __m256i b = at <= 4 ? _mm256_sll_epi16(chunk, _mm_cvtsi32_si128(4 - at))
+                                : _mm256_srl_epi16(chunk, _mm_cvtsi32_si128(at - 4));
+      *w[h] = _mm256_or_si256(*w[h], _mm256_and_si256(b, mask));
+    }
+  }
 }
 
 // Up to 3 rows, a half panel (16 columns: 2 ymm of y and 2 of integer sums a row) at a time.
-template <int BITS, int QK, bool HALF, int R>
-__attribute__((target("avx2,fma,f16c"))) void quant_avx2(const int16_t* xq, const float* dx,
-                                                    const float* xsum, int64_t K,
-                                                    const uint8_t* panel, const QuantLayout& ql,
-                                                    float* y, int64_t ldy) {
-  for (int h = 0; h < 2; ++h) {
+// vpmaddubsw multiplies unsigned values by x's signed bytes, two products a 16-bit lane (at
+// most 2 x 63 x 127: no saturation), vpmaddwd by ones sums a column's four into int32; Q8_0's
+// signed values go in as their magnitudes, their signs moved onto x (vpsignb).
+template <int T, int R>
+__attribute__((target("avx2,fma,f16c"))) void quant_avx2(
+    const QuantLayout& ql, int64_t K, const int8_t* xq, const float* dx, const float* xsum,
+    const int32_t* xqsum, const uint8_t* panel, float* y, int64_t ldy) {
+  constexpr QuantType t = kTypeOf[T];
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int v = 0; v < 2; ++v) {
     __m256 y0[R], y1[R];
     for (int r = 0; r < R; ++r) y0[r] = y1[r] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < ql.nb; ++b) {
-      const uint8_t* v = panel + b * ql.row_bytes;
-      if (h == 0) prefetch_block(v, ql.row_bytes);
-      const uint8_t* tail = v + QK * PANEL * BITS / 8;
-      const int16_t* xb = xq + b * QK;
-      __m256i c0[R], c1[R];
-      for (int r = 0; r < R; ++r) c0[r] = c1[r] = _mm256_setzero_si256();
-      for (int k = 0; k < QK; k += 2, v += PANEL * BITS / 4) {
-        __m256i a0, a1;
-        if (BITS == 4) {
-          __m256i n = _mm256_loadu_si256((const __m256i*)v);
-          if (h == 1) n = _mm256_srli_epi16(n, 4);
-          n = _mm256_and_si256(n, _mm256_set1_epi8(15));
-          a0 = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(n));
-          a1 = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(n, 1));
+    for (int64_t sb = 0; sb < ql.nsb; ++sb) {
+      const uint8_t* row = panel + sb * ql.row_bytes;
+      if (v == 0) prefetch_ahead(row, ql.row_bytes);
+      const uint8_t* halves = row + t.halves_at();
+      const __m256 d0 = halves8(halves, 16 * v), d1 = halves8(halves, 16 * v + 8);
+      __m256 e0 = d0, e1 = d1;  // the second half field (dmin, m), else d
+      if (t.halves == 2) {
+        e0 = halves8(halves + 2 * PANEL, 16 * v);
+        e1 = halves8(halves + 2 * PANEL, 16 * v + 8);
+      }
+      for (int s = 0; s < t.subs(); ++s) {
+        const uint8_t* sub = row + s * t.sub_bytes();
+        const int64_t b = sb * t.subs() + s;
+        const int8_t* xb = xq + b * t.qs;
+        __m256i c0[R], c1[R];
+        for (int r = 0; r < R; ++r) c0[r] = c1[r] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+        for (int g = 0; g < t.qs / 4; ++g) {
+          __m256i w0, w1;
+          quad_values<T>(sub, g, v, &w0, &w1);
+          __m256i a0 = w0, a1 = w1;
+          if (t.int8) a0 = _mm256_abs_epi8(w0), a1 = _mm256_abs_epi8(w1);
+          for (int r = 0; r < R; ++r) {
+            const __m256i bx = _mm256_set1_epi32(quad(xb + r * K + 4 * g));
+            const __m256i x0 = t.int8 ? _mm256_sign_epi8(bx, w0) : bx;
+            const __m256i x1 = t.int8 ? _mm256_sign_epi8(bx, w1) : bx;
+            c0[r] = _mm256_add_epi32(c0[r], _mm256_madd_epi16(_mm256_maddubs_epi16(a0, x0), ones));
+            c1[r] = _mm256_add_epi32(c1[r], _mm256_madd_epi16(_mm256_maddubs_epi16(a1, x1), ones));
+          }
+        }
+        __m256 s0 = d0, s1 = d1, m0 = d0, m1 = d1;
+        const uint8_t* ints = row + t.ints_at() + s * PANEL + 16 * v;
+        if (T == Q6_K) {
+          s0 = _mm256_mul_ps(d0, ints8<true>(ints, 0));
+          s1 = _mm256_mul_ps(d1, ints8<true>(ints, 8));
+        } else if (t.ints == 2) {
+          s0 = _mm256_mul_ps(d0, ints8<false>(ints, 0));
+          s1 = _mm256_mul_ps(d1, ints8<false>(ints, 8));
+          const uint8_t* mins = ints + t.subs() * PANEL;
+          m0 = _mm256_xor_ps(sign, _mm256_mul_ps(e0, ints8<false>(mins, 0)));
+          m1 = _mm256_xor_ps(sign, _mm256_mul_ps(e1, ints8<false>(mins, 8)));
+        } else if (t.halves == 2) {
+          m0 = e0, m1 = e1;
         } else {
-          a0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(v + 32 * h)));
-          a1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(v + 32 * h + 16)));
+          const __m256 off = _mm256_set1_ps((float)(-(8 << t.high)));
+          m0 = _mm256_mul_ps(off, d0), m1 = _mm256_mul_ps(off, d1);
         }
         for (int r = 0; r < R; ++r) {
-          const __m256i bx = _mm256_set1_epi32(pair(xb + r * K + k));
-          c0[r] = _mm256_add_epi32(c0[r], _mm256_madd_epi16(a0, bx));
-          c1[r] = _mm256_add_epi32(c1[r], _mm256_madd_epi16(a1, bx));
+          if (T == Q6_K) {
+            const __m256i o = _mm256_set1_epi32(32 * xqsum[r * ql.nb + b]);
+            c0[r] = _mm256_sub_epi32(c0[r], o);
+            c1[r] = _mm256_sub_epi32(c1[r], o);
+          }
+          const __m256 d = _mm256_set1_ps(dx[r * ql.nb + b]);
+          y0[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(c0[r]), _mm256_mul_ps(s0, d), y0[r]);
+          y1[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(c1[r]), _mm256_mul_ps(s1, d), y1[r]);
+          if (has_min(T)) {
+            const __m256 xs = _mm256_set1_ps(xsum[r * ql.nb + b]);
+            y0[r] = _mm256_fmadd_ps(xs, m0, y0[r]);
+            y1[r] = _mm256_fmadd_ps(xs, m1, y1[r]);
+          }
         }
-      }
-      const __m256 s0 = tail8_avx2<HALF>(tail, 0, 16 * h);
-      const __m256 s1 = tail8_avx2<HALF>(tail, 0, 16 * h + 8);
-      const __m256 m0 = tail8_avx2<HALF>(tail, 1, 16 * h);
-      const __m256 m1 = tail8_avx2<HALF>(tail, 1, 16 * h + 8);
-      for (int r = 0; r < R; ++r) {
-        const __m256 d = _mm256_set1_ps(dx[r * ql.nb + b]);
-        const __m256 xs = _mm256_set1_ps(xsum[r * ql.nb + b]);
-        y0[r] = _mm256_fmadd_ps(xs, m0, _mm256_fmadd_ps(_mm256_cvtepi32_ps(c0[r]),
-                                                        _mm256_mul_ps(s0, d), y0[r]));
-        y1[r] = _mm256_fmadd_ps(xs, m1, _mm256_fmadd_ps(_mm256_cvtepi32_ps(c1[r]),
-                                                        _mm256_mul_ps(s1, d), y1[r]));
       }
     }
     for (int r = 0; r < R; ++r) {
-      _mm256_storeu_ps(y + r * ldy + 16 * h, y0[r]);
-      _mm256_storeu_ps(y + r * ldy + 16 * h + 8, y1[r]);
+      _mm256_storeu_ps(y + r * ldy + 16 * v, y0[r]);
+      _mm256_storeu_ps(y + r * ldy + 16 * v + 8, y1[r]);
     }
   }
 }
@@ -394,34 +452,27 @@ __attribute__((target("avx2,fma,f16c"))) void quant_avx2(const int16_t* xq, cons
   {FN<1>, FN<2>, FN<3>, FN<4>, FN<5>, FN<6>, FN<7>, FN<8>, FN<9>, FN<10>, FN<11>, \
    FN<12>, nullptr, nullptr, nullptr, nullptr}
 
-#define SPECJAX_QUANT(FN, B, QK, H) {FN<B, QK, H, 1>, FN<B, QK, H, 2>, FN<B, QK, H, 3>, \
-                                     FN<B, QK, H, 4>}
-#define SPECJAX_QUANT6(FN, B, QK, H) {FN<B, QK, H, 1>, FN<B, QK, H, 2>, FN<B, QK, H, 3>, \
-                                      FN<B, QK, H, 4>, FN<B, QK, H, 5>, FN<B, QK, H, 6>}
-#define SPECJAX_QUANT3(FN, B, QK, H) {FN<B, QK, H, 1>, FN<B, QK, H, 2>, FN<B, QK, H, 3>}
-// Isa::quant's five kinds (QuantLayout::kind).
-#define SPECJAX_KINDS(Q, FN)                                                      \
-  {Q(FN, 4, 32, false), Q(FN, 8, 32, false), Q(FN, 8, 16, false), Q(FN, 4, 32, true), \
-   Q(FN, 8, 32, true)}
+#define SPECJAX_QUANT4(FN, T) {FN<T, 1>, FN<T, 2>, FN<T, 3>, FN<T, 4>}
+#define SPECJAX_QUANT3(FN, T) {FN<T, 1>, FN<T, 2>, FN<T, 3>, nullptr}
+// Isa::quant's rows, one a type (quant.TYPES order).
+#define SPECJAX_TYPES(Q, FN)                                                           \
+  {Q(FN, Q8_0), Q(FN, Q4_0), Q(FN, Q4_1), Q(FN, Q5_0), Q(FN, Q5_1), Q(FN, Q4_K),   \
+   Q(FN, Q5_K), Q(FN, Q6_K)}
 
 const Isa kPortable{"portable", 4, {micro_portable<1>, micro_portable<2>, micro_portable<3>,
                                     micro_portable<4>}, 4,
-                    SPECJAX_KINDS(SPECJAX_QUANT, quant_portable)};
+                    SPECJAX_TYPES(SPECJAX_QUANT4, quant_portable)};
 #ifdef SPECJAX_X86
-const Isa kAvx512{"avx512", 12, SPECJAX_TABLE(micro_avx512), 6,
-                  SPECJAX_KINDS(SPECJAX_QUANT6, quant_avx512)};
-const Isa kAvx512NoVnni{"avx512", 12, SPECJAX_TABLE(micro_avx512), 3,
-                        SPECJAX_KINDS(SPECJAX_QUANT3, quant_avx2)};
+const Isa kAvx512{"avx512", 12, SPECJAX_TABLE(micro_avx512), 3,
+                  SPECJAX_TYPES(SPECJAX_QUANT3, quant_avx2)};
 const Isa kAvx2{"avx2", 3, {micro_avx2<1>, micro_avx2<2>, micro_avx2<3>}, 3,
-                SPECJAX_KINDS(SPECJAX_QUANT3, quant_avx2)};
+                SPECJAX_TYPES(SPECJAX_QUANT3, quant_avx2)};
 #endif
 
 #ifdef SPECJAX_X86
-const Isa* avx512() {
-  return __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vnni")
-             ? &kAvx512 : &kAvx512NoVnni;
-}
+const Isa* avx512() { return &kAvx512; }
 #endif
+
 
 const Isa* detect() {
 #ifdef SPECJAX_X86
@@ -449,10 +500,10 @@ void run_panels(const Problem& pr, int64_t p0, int64_t p1, const Isa& is = isa()
     for (int64_t p = p0; p < p1; ++p)
       for (int64_t m0 = 0; m0 < pr.M; m0 += is.quant_rows) {
         const int64_t rows = pr.M - m0 < is.quant_rows ? pr.M - m0 : is.quant_rows;
-        is.quant[ql.kind()][rows - 1](ql.xq + m0 * pr.K, ql.dx + m0 * ql.nb,
-                                      ql.xsum + m0 * ql.nb, pr.K,
-                                      ql.q + p * ql.nb * ql.row_bytes, ql,
-                                      pr.y + m0 * pr.N + p * PANEL, pr.N);
+        is.quant[ql.type][rows - 1](ql, pr.K, ql.xq + m0 * pr.K, ql.dx + m0 * ql.nb,
+                                    ql.xsum + m0 * ql.nb, ql.xqsum + m0 * ql.nb,
+                                    ql.q + p * ql.nsb * ql.row_bytes,
+                                    pr.y + m0 * pr.N + p * PANEL, pr.N);
       }
     return;
   }
@@ -505,52 +556,54 @@ ffi::Error matmul_f32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   return run(pool, pr);
 }
 
-// The layout a quantized weight's value width and block row size name (quant.py: format_of):
-// blocks of 32 with float32 or half tails, blocks of 16 (8 bits) with float32 ones.
-bool quant_layout(int bits, int64_t row_bytes, QuantLayout* ql) {
-  for (const bool half : {false, true})
-    for (const int64_t qk : {32, 16}) {
-      if ((bits == 8 || qk == 32) && (!half || qk == 32) &&
-          qk * PANEL * bits / 8 + 2 * PANEL * (half ? 2 : 4) == row_bytes) {
-        ql->bits = bits;
-        ql->half = half;
-        ql->qk = qk;
-        ql->row_bytes = row_bytes;
-        return true;
-      }
-    }
-  return false;
+// The quantized weight `row_bytes` names, `nsb` super-block rows a panel, for K inputs.
+bool quant_layout(int64_t row_bytes, int64_t nsb, int64_t K, QuantLayout* ql) {
+  const int t = type_of_row(row_bytes);
+  if (t < 0 || nsb * kTypeOf[t].sb != K) return false;
+  ql->type = t;
+  ql->row_bytes = row_bytes;
+  ql->nsb = nsb;
+  ql->nb = K / kTypeOf[t].qs;
+  return true;
 }
 
-// x per call, for the quantized kernels: each row's blocks of qk in 16 bits (xq = x / dx,
-// rounded to nearest even, dx = max |x| / 32767) and each block's sum of x in order. Row by
-// row, so a row's are the same alone or among others.
+// x per call, for the quantized kernels: each row's blocks of qs in 8 bits (xq = x / dx,
+// rounded to nearest even, dx = max |x| / 127), each block's sum of x in order and its sum
+// of xq. Row by row, so a row's are the same alone or among others.
 struct QuantizedRows {
-  std::unique_ptr<int16_t[]> xq;
+  std::unique_ptr<int8_t[]> xq;
   std::unique_ptr<float[]> dx, xsum;
+  std::unique_ptr<int32_t[]> xqsum;
 
   QuantizedRows(const float* x, int64_t M, int64_t K, QuantLayout* ql)
-      : xq(new int16_t[M * K + 2]), dx(new float[M * ql->nb + 1]),
-        xsum(new float[M * ql->nb + 1]) {
-    const int64_t qk = ql->qk, nb = ql->nb;
+      : xq(new int8_t[M * K + 4]), dx(new float[M * ql->nb + 1]),
+        xsum(new float[M * ql->nb + 1]), xqsum(new int32_t[M * ql->nb + 1]) {
+    const int64_t qs = kTypeOf[ql->type].qs, nb = ql->nb;
     for (int64_t r = 0; r < M; ++r)
       for (int64_t b = 0; b < nb; ++b) {
-        const float* xb = x + r * K + b * qk;
+        const float* xb = x + r * K + b * qs;
         float amax = 0.f, sum = 0.f;
-        for (int64_t k = 0; k < qk; ++k) {
+        for (int64_t k = 0; k < qs; ++k) {
           const float a = xb[k] < 0 ? -xb[k] : xb[k];
           amax = a > amax ? a : amax;
           sum += xb[k];
         }
-        const float d = amax / 32767.f, inv = amax > 0 ? 32767.f / amax : 0.f;
-        for (int64_t k = 0; k < qk; ++k)
-          xq[r * K + b * qk + k] = (int16_t)__builtin_nearbyintf(xb[k] * inv);
+        const float d = amax / 127.f, inv = amax > 0 ? 127.f / amax : 0.f;
+        int32_t qsum = 0;
+        for (int64_t k = 0; k < qs; ++k) {
+          float v = __builtin_nearbyintf(xb[k] * inv);
+          v = v > 127.f ? 127.f : v < -127.f ? -127.f : v;
+          xq[r * K + b * qs + k] = (int8_t)v;
+          qsum += (int32_t)v;
+        }
         dx[r * nb + b] = d;
         xsum[r * nb + b] = sum;
+        xqsum[r * nb + b] = qsum;
       }
     ql->xq = xq.get();
     ql->dx = dx.get();
     ql->xsum = xsum.get();
+    ql->xqsum = xqsum.get();
   }
 };
 
@@ -559,16 +612,15 @@ ffi::Error matmul_quant(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyB
   const auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
   if (xd.size() != 2 || wd.size() != 3 || yd.size() != 2)
     return ffi::Error::InvalidArgument(
-        "specjax_matmul_quant: expects x [M, K], w [P, K / qk, R], y [M, N]");
-  const auto type = w.element_type();
-  if (type != ffi::DataType::U8 && type != ffi::DataType::S8)
-    return ffi::Error::InvalidArgument("specjax_matmul_quant: w is uint8 (4 bits) or int8");
+        "specjax_matmul_quant: expects x [M, K], w [P, K / sb, R], y [M, N]");
+  if (w.element_type() != ffi::DataType::U8)
+    return ffi::Error::InvalidArgument("specjax_matmul_quant: w is uint8");
   Problem pr{x.typed_data(), nullptr, y->typed_data(), xd[0], xd[1], yd[1], wd[0], {}};
-  if (!quant_layout(type == ffi::DataType::U8 ? 4 : 8, wd[2], &pr.quant))
-    return ffi::Error::InvalidArgument("specjax_matmul_quant: no layout has this row size");
+  if (!quant_layout(wd[2], wd[1], pr.K, &pr.quant))
+    return ffi::Error::InvalidArgument("specjax_matmul_quant: no type has this row size, or "
+                                       "its blocks do not cover K");
   pr.quant.q = static_cast<const uint8_t*>(w.untyped_data());
-  pr.quant.nb = wd[1];
-  if (pr.quant.nb * pr.quant.qk != pr.K || yd[0] != pr.M || pr.P * PANEL != pr.N)
+  if (yd[0] != pr.M || pr.P * PANEL != pr.N)
     return ffi::Error::InvalidArgument("specjax_matmul_quant: shapes do not match the weight");
   const QuantizedRows rows(pr.x, pr.M, pr.K, &pr.quant);
   return run(pool, pr);  // returns once every panel is done: `rows` outlives the work
@@ -636,6 +688,7 @@ const Isa* named(const char* name) {
 // The same products on the calling thread with a named instruction set, for the tests (every
 // path this CPU supports, without XLA): 0, or -1 when this CPU lacks `name` (-2: a quantized
 // row size no layout has).
+
 extern "C" int specjax_matmul_run(const char* name, const float* x, const float* w, float* y,
                                   int64_t M, int64_t K, int64_t N) {
   const Isa* is = named(name);
@@ -647,14 +700,15 @@ extern "C" int specjax_matmul_run(const char* name, const float* x, const float*
 }
 
 extern "C" int specjax_matmul_run_quant(const char* name, const float* x, const uint8_t* q,
-                                        int bits, int64_t row_bytes, float* y, int64_t M,
-                                        int64_t K, int64_t N) {
+                                        int64_t row_bytes, float* y, int64_t M, int64_t K,
+                                        int64_t N) {
   const Isa* is = named(name);
   if (is == nullptr) return -1;
   Problem pr{x, nullptr, y, M, K, N, N / PANEL, {}};
-  if (!quant_layout(bits, row_bytes, &pr.quant)) return -2;
+  const int t = type_of_row(row_bytes);
+  if (t < 0 || K % kTypeOf[t].sb || !quant_layout(row_bytes, K / kTypeOf[t].sb, K, &pr.quant))
+    return -2;
   pr.quant.q = q;
-  pr.quant.nb = K / pr.quant.qk;
   const QuantizedRows rows(x, M, K, &pr.quant);
   run_panels(pr, 0, pr.P, *is);
   return 0;

@@ -1,73 +1,26 @@
 // GGUF blocks -> the quantized kernel's panel layout (quant.py's docstring), done once at load.
 //
-// quant.py's numpy path (`pack_values(*unpack_blocks(raw, type))`) makes about ten passes
-// over every weight, with int16 and float32 copies of a whole tensor between them: 15 s and
-// gigabytes of transients for a 1.5B model. This makes one pass a panel of PANEL output rows,
-// from the file's bytes straight into the packed array, and computes the same floats in the
-// same order (one float32 product each), so its output equals the numpy path's byte for byte
-// (tests/pallas_kernels/test_cpu_matmul_quant.py). Called through ctypes, which releases the
-// GIL: quant.pack_gguf_stack packs a parameter's layers on threads.
-#include <cmath>
+// A block's fields (values, high bits, sub-block scales and mins, its half-precision d and
+// dmin) are only regrouped: PANEL outputs' blocks at one position become one super-block row,
+// the values interleaved by column. One pass a panel, from the file's bytes straight into the
+// packed array, the same bytes as quant.py's numpy path (`pack_numpy`, tested byte for byte).
+// Called through ctypes, which releases the GIL: quant.pack_gguf_stack packs a parameter's
+// layers on threads.
 #include <cstdint>
 #include <cstring>
-#include <vector>
 
 namespace {
 
 constexpr int64_t PANEL = 32;  // reference.py: PANEL
 
-// Source types in quant.TYPES order.
+// Source types in quant.TYPES order, with quant.FORMATS' fields.
 enum Type { Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, kTypes };
-// bytes a block, values a block, values a scale (and min) covers
 constexpr int kBlockBytes[kTypes] = {34, 18, 20, 22, 24, 144, 176, 210};
-constexpr int kBlockValues[kTypes] = {32, 32, 32, 32, 32, 256, 256, 256};
-constexpr int kSub[kTypes] = {32, 32, 32, 32, 32, 32, 32, 16};
-
-float half_to_float(uint16_t h) {
-  const uint32_t sign = uint32_t(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF;
-  float f;
-  if (exp == 0) {
-    f = std::ldexp(float(man), -24);  // zero or subnormal: exact
-    uint32_t bits;
-    std::memcpy(&bits, &f, 4);
-    bits |= sign;
-    std::memcpy(&f, &bits, 4);
-    return f;
-  }
-  const uint32_t bits = sign | (exp == 31 ? 0x7F800000u | (man << 13)
-                                          : ((exp + 112) << 23) | (man << 13));
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-
-// A float that is exactly a half -> its bits; false when it is not (the layout would round).
-bool float_to_half_exact(float f, uint16_t* out) {
-  uint32_t bits;
-  std::memcpy(&bits, &f, 4);
-  const uint16_t sign = (bits >> 16) & 0x8000;
-  const float a = std::fabs(f);
-  uint16_t h;
-  if (a == 0.f) {
-    h = sign;
-  } else if (!std::isfinite(a)) {
-    return false;
-  } else if (a < 6.103515625e-05f) {  // below 2^-14: a subnormal half, k * 2^-24
-    const float k = std::ldexp(a, 24);
-    if (k != std::floor(k)) return false;
-    h = sign | uint16_t(k);
-  } else {
-    int e;
-    const float m = std::frexp(a, &e);  // a = m * 2^e, m in [0.5, 1)
-    const int exp = e - 1 + 15;
-    if (exp >= 31) return false;
-    const float man = (m * 2.f - 1.f) * 1024.f;
-    if (man != std::floor(man)) return false;
-    h = sign | uint16_t(exp << 10) | uint16_t(man);
-  }
-  if (half_to_float(h) != f) return false;
-  *out = h;
-  return true;
-}
+constexpr int kSb[kTypes] = {32, 32, 32, 32, 32, 256, 256, 256};      // inputs a block
+constexpr int kQs[kTypes] = {32, 32, 32, 32, 32, 32, 32, 16};         // inputs a sub-block
+constexpr int kHigh[kTypes] = {0, 0, 0, 1, 1, 0, 1, 2};               // value bits above 4
+constexpr int kInts[kTypes] = {0, 0, 0, 0, 0, 2, 2, 1};               // sc (and m) a sub-block
+constexpr int kHalves[kTypes] = {1, 1, 2, 1, 2, 2, 2, 1};             // d (and dmin / m)
 
 uint16_t load16(const uint8_t* p) {
   uint16_t v;
@@ -75,60 +28,62 @@ uint16_t load16(const uint8_t* p) {
   return v;
 }
 
-// One block -> q[kBlockValues] and, per sub-block, scale and min (quant.unpack_blocks).
-void decode_block(int type, const uint8_t* b, int16_t* q, float* scale, float* mn) {
+// One block's fields: low[sb] (4 bits, or Q8_0's int8 as a byte), high[sb], sc/mn per
+// sub-block, d and d2 as half bits (quant.gguf_fields).
+struct Fields {
+  uint8_t low[256], high[256], sc[16], mn[16];
+  uint16_t d, d2;
+};
+
+void decode(int type, const uint8_t* b, Fields* f) {
+  std::memset(f->high, 0, sizeof f->high);
+  f->d2 = 0;
   switch (type) {
-    case Q8_0: {
-      const float d = half_to_float(load16(b));
-      for (int e = 0; e < 32; ++e) q[e] = int8_t(b[2 + e]);
-      scale[0] = d, mn[0] = 0.f;
+    case Q8_0:
+      f->d = load16(b);
+      std::memcpy(f->low, b + 2, 32);
       break;
-    }
     case Q4_0: case Q4_1: case Q5_0: case Q5_1: {
-      const float d = half_to_float(load16(b));
       const bool one = type == Q4_1 || type == Q5_1, five = type == Q5_0 || type == Q5_1;
       const int start = one ? 4 : 2;
+      f->d = load16(b);
+      if (one) f->d2 = load16(b + 2);
       uint32_t qh = 0;
       if (five) std::memcpy(&qh, b + start, 4);
       const uint8_t* qs = b + start + (five ? 4 : 0);
       for (int e = 0; e < 32; ++e) {
-        int v = e < 16 ? qs[e] & 0x0F : qs[e - 16] >> 4;
-        if (five) v |= ((qh >> e) & 1) << 4;
-        q[e] = int16_t(v);
+        f->low[e] = e < 16 ? qs[e] & 0x0F : qs[e - 16] >> 4;
+        f->high[e] = (qh >> e) & 1;
       }
-      scale[0] = d;
-      mn[0] = one ? half_to_float(load16(b + 2)) : (five ? -16 * d : -8 * d);
       break;
     }
     case Q4_K: case Q5_K: {
-      const float d = half_to_float(load16(b)), dmin = half_to_float(load16(b + 2));
+      f->d = load16(b);
+      f->d2 = load16(b + 2);
       const uint8_t* s = b + 4;  // 12 bytes: d[4], m[4], md[4]
       for (int j = 0; j < 8; ++j) {
-        const int sc = j < 4 ? s[j] & 0x3F : (s[8 + j - 4] & 0x0F) | ((s[j - 4] >> 2) & 0x30);
-        const int m = j < 4 ? s[4 + j] & 0x3F : (s[8 + j - 4] >> 4) | ((s[4 + j - 4] >> 2) & 0x30);
-        scale[j] = d * float(sc);
-        mn[j] = -(dmin * float(m));
+        f->sc[j] = j < 4 ? s[j] & 0x3F : (s[8 + j - 4] & 0x0F) | ((s[j - 4] >> 2) & 0x30);
+        f->mn[j] = j < 4 ? s[4 + j] & 0x3F : (s[8 + j - 4] >> 4) | ((s[4 + j - 4] >> 2) & 0x30);
       }
       const uint8_t* qh = b + 16;
       const uint8_t* qs = type == Q4_K ? b + 16 : b + 48;
-      for (int c = 0; c < 4; ++c)      // four chunks of 64: low nibbles, then high ones
+      for (int c = 0; c < 4; ++c)  // four chunks of 64: low nibbles, then high ones
         for (int i = 0; i < 32; ++i) {
-          q[c * 64 + i] = qs[c * 32 + i] & 0x0F;
-          q[c * 64 + 32 + i] = qs[c * 32 + i] >> 4;
+          f->low[c * 64 + i] = qs[c * 32 + i] & 0x0F;
+          f->low[c * 64 + 32 + i] = qs[c * 32 + i] >> 4;
         }
       if (type == Q5_K)  // element e's fifth bit: bit e / 32 of qh[e % 32]
-        for (int e = 0; e < 256; ++e) q[e] |= ((qh[e % 32] >> (e / 32)) & 1) << 4;
+        for (int e = 0; e < 256; ++e) f->high[e] = (qh[e % 32] >> (e / 32)) & 1;
       break;
     }
     case Q6_K: {
       const uint8_t *ql = b, *qh = b + 128;
-      const float d = half_to_float(load16(b + 208));
-      for (int j = 0; j < 16; ++j) scale[j] = d * float(int8_t(b[192 + j])), mn[j] = 0.f;
+      f->d = load16(b + 208);
+      std::memcpy(f->sc, b + 192, 16);
       for (int h = 0; h < 2; ++h)
         for (int i = 0; i < 128; ++i) {
-          const int low = i < 64 ? ql[h * 64 + i] & 0x0F : ql[h * 64 + i - 64] >> 4;
-          const int high = (qh[h * 32 + i % 32] >> (2 * (i / 32))) & 3;
-          q[h * 128 + i] = int16_t((low | (high << 4)) - 32);
+          f->low[h * 128 + i] = i < 64 ? ql[h * 64 + i] & 0x0F : ql[h * 64 + i - 64] >> 4;
+          f->high[h * 128 + i] = (qh[h * 32 + i % 32] >> (2 * (i / 32))) & 3;
         }
       break;
     }
@@ -138,61 +93,52 @@ void decode_block(int type, const uint8_t* b, int16_t* q, float* scale, float* m
 }  // namespace
 
 // `rows` outputs of `row_bytes` GGUF bytes each (type `type`, quant.TYPES order) -> `out`, the
-// packed [rows / PANEL, K / qk, R] layout of the target format (bits 4 or 8, qk 32 or 16,
-// half: float16 scales and mins). Returns 0, or: 1 arguments that do not fit together, 2 a
-// scale or min that is not a float16 for a half layout, 3 a value out of the target's range.
+// packed [rows / PANEL, blocks, R] layout. Returns 0, or 1 for arguments that do not fit.
 extern "C" int specjax_pack_gguf(const uint8_t* raw, int64_t rows, int64_t row_bytes, int type,
-                                 int bits, int qk, int half, uint8_t* out) {
-  if (type < 0 || type >= kTypes || rows % PANEL || row_bytes % kBlockBytes[type] ||
-      (bits != 4 && bits != 8) || (qk != 32 && qk != 16) || (half && qk != 32) ||
-      qk > kSub[type])
-    return 1;
-  const int64_t blocks = row_bytes / kBlockBytes[type], K = blocks * kBlockValues[type];
-  const int64_t nb = K / qk, width = PANEL * bits / 8, value_bytes = qk * width;
-  const int64_t float_bytes = half ? 2 : 4, R = value_bytes + 2 * PANEL * float_bytes;
-  const int lo = bits == 4 ? 0 : -128, hi = bits == 4 ? 15 : 127;
-  const int64_t subs = K / kSub[type];
-  std::vector<int16_t> q(PANEL * K);
-  std::vector<float> scale(PANEL * subs), mn(PANEL * subs);
-  for (int64_t p = 0; p < rows / PANEL; ++p) {
-    for (int64_t j = 0; j < PANEL; ++j) {
-      const uint8_t* row = raw + (p * PANEL + j) * row_bytes;
-      const int per_block = kBlockValues[type] / kSub[type];
-      for (int64_t b = 0; b < blocks; ++b)
-        decode_block(type, row + b * kBlockBytes[type], &q[j * K + b * kBlockValues[type]],
-                     &scale[j * subs + b * per_block], &mn[j * subs + b * per_block]);
-    }
-    uint8_t* panel = out + p * nb * R;
-    for (int64_t blk = 0; blk < nb; ++blk) {
-      uint8_t* dst = panel + blk * R;
-      std::memset(dst, 0, value_bytes);
-      for (int64_t k = 0; k < qk; ++k) {
-        uint8_t* pair = dst + (k / 2) * 2 * width + k % 2;  // a pair's bytes interleaved
-        for (int64_t j = 0; j < PANEL; ++j) {
-          const int v = q[j * K + blk * qk + k];
-          if (v < lo || v > hi) return 3;
-          if (bits == 4)
-            pair[2 * (j % (PANEL / 2))] |= uint8_t(v << (4 * (j / (PANEL / 2))));
-          else
-            pair[2 * j] = uint8_t(int8_t(v));
-        }
-      }
-      // the sub-block this block lies in (a block of 16 repeats its sub-block of 32's floats)
-      const int64_t sub = blk * qk / kSub[type];
-      uint8_t* floats = dst + value_bytes;
-      for (int what = 0; what < 2; ++what)
-        for (int64_t j = 0; j < PANEL; ++j) {
-          const float f = (what ? mn : scale)[j * subs + sub];
-          uint8_t* at = floats + (what * PANEL + j) * float_bytes;
-          if (half) {
-            uint16_t h;
-            if (!float_to_half_exact(f, &h)) return 2;
-            std::memcpy(at, &h, 2);
-          } else {
-            std::memcpy(at, &f, 4);
+                                 uint8_t* out) {
+  if (type < 0 || type >= kTypes || rows % PANEL || row_bytes % kBlockBytes[type]) return 1;
+  const int sb = kSb[type], qs = kQs[type], high = kHigh[type], subs = sb / qs;
+  const bool int8 = type == Q8_0;
+  const int64_t sub_bytes = int8 ? qs * PANEL : qs * PANEL / 2 + qs * 4 * high;
+  const int64_t ints_at = subs * sub_bytes, halves_at = ints_at + subs * PANEL * kInts[type];
+  const int64_t R = halves_at + 2 * PANEL * kHalves[type];
+  const int64_t blocks = row_bytes / kBlockBytes[type];
+  static thread_local Fields f[PANEL];
+  for (int64_t p = 0; p < rows / PANEL; ++p)
+    for (int64_t blk = 0; blk < blocks; ++blk) {
+      for (int64_t j = 0; j < PANEL; ++j)
+        decode(type, raw + (p * PANEL + j) * row_bytes + blk * kBlockBytes[type], &f[j]);
+      uint8_t* dst = out + (p * blocks + blk) * R;
+      std::memset(dst, 0, R);
+      for (int s = 0; s < subs; ++s) {
+        uint8_t* sub = dst + s * sub_bytes;
+        for (int k = 0; k < qs; ++k) {
+          const int e = k % 4, g = k / 4, at = s * qs + k;
+          for (int64_t j = 0; j < PANEL; ++j) {
+            if (int8) {  // quad g, byte 4 j + e: column j at k
+              sub[g * 4 * PANEL + 4 * j + e] = f[j].low[at];
+              continue;
+            }
+            // vector v, nibble h of byte 4 c + e: column 16 v + 8 h + c
+            const int v = j / 16, h = (j / 8) % 2, c = j % 8;
+            sub[g * 2 * PANEL + PANEL * v + 4 * c + e] |= uint8_t(f[j].low[at] << (4 * h));
+            if (high) {  // chunk g / per, from bit ((2 (g % per) + v) 2 + h) high
+              const int per = 2 / high;
+              uint8_t* chunk = sub + qs * PANEL / 2 + (g / per) * PANEL;
+              chunk[4 * c + e] |= uint8_t(f[j].high[at] << ((((g % per) * 2 + v) * 2 + h) * high));
+            }
           }
         }
+      }
+      for (int s = 0; s < subs && kInts[type]; ++s)
+        for (int64_t j = 0; j < PANEL; ++j) {
+          dst[ints_at + s * PANEL + j] = f[j].sc[s];
+          if (kInts[type] == 2) dst[ints_at + (subs + s) * PANEL + j] = f[j].mn[s];
+        }
+      for (int64_t j = 0; j < PANEL; ++j) {
+        std::memcpy(dst + halves_at + 2 * j, &f[j].d, 2);
+        if (kHalves[type] == 2) std::memcpy(dst + halves_at + 2 * PANEL + 2 * j, &f[j].d2, 2);
+      }
     }
-  }
   return 0;
 }

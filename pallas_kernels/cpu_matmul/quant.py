@@ -1,35 +1,41 @@
-"""GGUF's quantized blocks in the kernel's panel layout, and the jnp dequantization beside it.
+"""GGUF's quantized blocks in the kernel's panel layout, each type at its own size, and the jnp
+dequantization beside it.
 
 A quantized weight `W [K, N]` (GGUF stores it `[N, K]`, each output's blocks along K) is
-repacked once, at load, without ever making a float copy, into panels of `PANEL` output
-columns and blocks of `qk` inputs: `packed [..., N / PANEL, K / qk, R]` bytes, each block row
+repacked once, at load, without a float copy, into panels of `PANEL` output columns and
+super-blocks of `sb` inputs (the file's own block: 256 for the K types, 32 for the rest):
+`packed [..., N / PANEL, K / sb, R]` uint8, R naming the type (`format_of`). A panel's
+super-block row holds, for each sub-block of `qs` inputs (the inputs one scale covers), its
+values a quad of k's at a time (the four k's an integer dot instruction sums into one lane):
 
-    values: qk x PANEL, in pairs of k's (4 bits: PANEL / 2 bytes a k, byte j holding column
-            j in its low nibble and column j + 16 in its high one; 8 bits: one int8 a
-            column), the two k's of a pair interleaved byte by byte
-    scale:  PANEL floats      min: PANEL floats        W[k, n] = q * scale + min
+    low plane   4 bits a value, 64 bytes a quad: byte 32 v + 4 j + e holds column 16 v + j
+                (low nibble) and column 16 v + 8 + j (high nibble) at k + e
+                (Q8_0: the int8 values, 128 bytes a quad, byte 32 v + 4 j + e column 8 v + j)
+    high plane  Q5 types 1 bit, Q6_K 2 bits a value, in 32-byte chunks laid over a vector of
+                the low plane: chunk c's byte 4 j + e holds, from bit ((2 t + v) * 2 + h) *
+                high, the high bits of column 16 v + 8 h + j at k + e of quad 2 c + t (1 bit)
+                or c (2 bits, t = 0) of the sub-block
 
-the floats float32, or float16 where GGUF's own scale and min are (the _0 and _1 types: a
-half widens exactly, so the kernel's products are the same bit for bit, from fewer bytes),
-so the kernel streams each panel front to back and widens a pair of k's `PANEL` integers to
-the 16-bit pairs its integer dot instructions take with a few vector instructions, once for
-every row of x (kernel.cc). Every type GGUF files use maps onto
-it exactly: `scale * q` is exact in float32 for each (a half-precision scale, times at most an
-8-bit integer, times a 6-bit one for the K types' sub-block scales), so `q * scale + min` rounds
-once, where the `gguf` package's dequantization rounds once too: the same floats, bit for bit.
+then the sub-blocks' integer scales (K types: one byte a column and sub-block, Q6_K's signed)
+and mins (Q4_K, Q5_K), then the super-block's half-precision d and (where the type has one)
+dmin or m, `PANEL` of each. These are the file's fields, only regrouped by column panel, so a
+step streams about the file's bytes:
 
-    type   values  qk   scale        min          floats   bytes a weight (file)
-    Q8_0   int8    32   d            0            half     1.125  (1.0625)
-    Q4_0   4 bits  32   d            -8 d         half     0.625  (0.5625)
-    Q4_1   4 bits  32   d            m            half     0.625  (0.625)
-    Q5_0   int8    32   d            -16 d        half     1.125  (0.6875)
-    Q5_1   int8    32   d            m            half     1.125  (0.75)
-    Q4_K   4 bits  32   d * sc       -dmin * m    float32  0.75   (0.5625)
-    Q5_K   int8    32   d * sc       -dmin * m    float32  1.25   (0.6875)
-    Q6_K   int8    16   d * sc       0            float32  1.5    (0.8125)
+    type   sb   qs  value   per sub-block     per super-block   W = q * scale + min
+    Q8_0   32   32  int8    -                 d                 q d
+    Q4_0   32   32  4       -                 d                 q d - 8 d
+    Q4_1   32   32  4       -                 d, m              q d + m
+    Q5_0   32   32  4+1     -                 d                 q d - 16 d
+    Q5_1   32   32  4+1     -                 d, m              q d + m
+    Q4_K   256  32  4       sc, m (6 bits)    d, dmin           q d sc - dmin m
+    Q5_K   256  32  4+1     sc, m (6 bits)    d, dmin           q d sc - dmin m
+    Q6_K   256  16  4+2     sc (int8)         d                 (q - 32) d sc
 
-The dtype and the row size tell the formats apart: uint8 is 4 bits (R = 768, or 640 with
-halves), int8 is 8 bits with qk 32 (R = 1280, or 1152 with halves) or 16 (R = 768).
+`d * sc` and `dmin * m` are exact in float32 (an 11-bit mantissa times a 6- or 8-bit integer),
+so the kernel forms each column's scale and min from these fields as the `gguf` package's
+dequantization does, and `q * scale + min` rounds once there and here: the same floats, bit
+for bit. A parameter whose layers mix types (every `_K_M` file's `ffn_down` and `attn_v`)
+keeps each layer in its own type: the loader hands such layers over one array each.
 """
 from __future__ import annotations
 
@@ -47,53 +53,49 @@ import numpy as np
 from pallas_kernels.cpu_matmul.reference import PANEL
 
 QK_K = 256  # a K type's super-block
-TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")  # pack.cc's order
 
 
 class Format(NamedTuple):
-    bits: int            # 4 (uint8, two values a byte) or 8 (int8)
-    qk: int              # inputs (k) a scale and a min cover
-    half: bool = False   # scales and mins in float16 (blocks of 32 only), else float32
+    qtype: str
+    sb: int          # inputs (k) a super-block covers: the file's block
+    qs: int          # inputs a sub-block's scale covers (x is rounded a block of qs at a time)
+    high: int        # value bits above the low nibble: 0, 1 (Q5) or 2 (Q6_K); Q8_0: int8
+    ints: int        # integer fields a column and sub-block: 0, 1 (Q6_K: sc), 2 (sc, m)
+    halves: int      # half-precision fields a column and super-block: 1 (d) or 2 (d, dmin/m)
 
     @property
-    def value_bytes(self) -> int:
-        """Bytes of values in one block row."""
-        return self.qk * PANEL * self.bits // 8
+    def subs(self) -> int:
+        return self.sb // self.qs
 
     @property
-    def float_bytes(self) -> int:
-        return 2 if self.half else 4
+    def int8(self) -> bool:
+        return self.qtype == "Q8_0"
 
     @property
-    def float_dtype(self):
-        return jnp.float16 if self.half else jnp.float32
+    def sub_bytes(self) -> int:
+        """Bytes of one sub-block's values (low and high planes)."""
+        return self.qs * PANEL if self.int8 else self.qs * PANEL // 2 + self.qs * 4 * self.high
 
     @property
     def row_bytes(self) -> int:
-        return self.value_bytes + 2 * PANEL * self.float_bytes
-
-    @property
-    def dtype(self):
-        return np.uint8 if self.bits == 4 else np.int8
+        return self.subs * (self.sub_bytes + PANEL * self.ints) + 2 * PANEL * self.halves
 
 
-FORMATS = {"Q8_0": Format(8, 32, True), "Q4_0": Format(4, 32, True),
-           "Q4_1": Format(4, 32, True), "Q5_0": Format(8, 32, True), "Q5_1": Format(8, 32, True),
-           "Q4_K": Format(4, 32), "Q5_K": Format(8, 32), "Q6_K": Format(8, 16)}
-LAYOUTS = (Format(4, 32), Format(8, 32), Format(8, 16), Format(4, 32, True),
-           Format(8, 32, True))  # what kernel.cc's quant_layout accepts
+FORMATS = {"Q8_0": Format("Q8_0", 32, 32, 0, 0, 1), "Q4_0": Format("Q4_0", 32, 32, 0, 0, 1),
+           "Q4_1": Format("Q4_1", 32, 32, 0, 0, 2), "Q5_0": Format("Q5_0", 32, 32, 1, 0, 1),
+           "Q5_1": Format("Q5_1", 32, 32, 1, 0, 2), "Q4_K": Format("Q4_K", 256, 32, 0, 2, 2),
+           "Q5_K": Format("Q5_K", 256, 32, 1, 2, 2), "Q6_K": Format("Q6_K", 256, 16, 2, 1, 1)}
+_BY_ROW = {f.row_bytes: f for f in FORMATS.values()}
+assert len(_BY_ROW) == len(FORMATS)  # a row size names one type
 
 
 def format_of(packed) -> Format | None:
-    """The layout of a packed quantized weight `[..., P, K / qk, R]`, None for anything else
-    (a float weight, packed or not)."""
-    if getattr(packed, "ndim", 0) < 3:
+    """The type of a packed quantized weight `[..., P, K / sb, R]` (uint8; R names it), None
+    for anything else (a float weight, packed or not)."""
+    if getattr(packed, "ndim", 0) < 3 or np.dtype(packed.dtype) != np.uint8:
         return None
-    dtype, r = np.dtype(packed.dtype), packed.shape[-1]
-    for f in LAYOUTS:
-        if dtype == f.dtype and r == f.row_bytes:
-            return f
-    return None
+    return _BY_ROW.get(packed.shape[-1])
 
 
 def is_quantized(w) -> bool:
@@ -111,11 +113,18 @@ def _format(packed) -> Format:
 def weight_shape(packed) -> tuple[int, int]:
     """(K, N) of the weight `packed` holds."""
     f = _format(packed)
-    p, nb, _ = packed.shape[-3:]
-    return nb * f.qk, p * PANEL
+    p, nsb, _ = packed.shape[-3:]
+    return nsb * f.sb, p * PANEL
 
 
-# ---- GGUF blocks -> (q, scale, min) ---------------------------------------------------------
+def packed_bytes(qtype: str, k: int, n: int) -> int:
+    """Bytes of a `[K, N]` weight of `qtype` packed (its file bytes but for the K types'
+    6-bit sub-block scales, a byte each here: 1.03x for Q4_K)."""
+    f = FORMATS[qtype]
+    return n // PANEL * (k // f.sb) * f.row_bytes
+
+
+# ---- GGUF blocks -> fields -> (q, scale, min) -----------------------------------------------
 
 def _f16(b: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(b).view(np.float16).astype(np.float32)[..., 0]
@@ -132,109 +141,155 @@ def _k_scales(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     d, m, md = s[..., 0, :], s[..., 1, :], s[..., 2, :]
     sc = np.concatenate([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], axis=-1)
     mn = np.concatenate([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], axis=-1)
-    return sc.astype(np.float32), mn.astype(np.float32)
+    return sc, mn
 
 
-def unpack_blocks(raw: np.ndarray, qtype: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """GGUF blocks `[N, bytes]` (one output's blocks a row) -> q `[N, K]` (int16), scale and min
-    `[N, K / qk]` float32, with W^T = q * scale + min per sub-block of `FORMATS[qtype].qk`."""
+class Fields(NamedTuple):
+    """A weight's GGUF fields, one output a row: values `[N, K]` (the low 4 bits, or Q8_0's
+    int8), high bits `[N, K]`, integer scales and mins `[N, K / qs]`, the half fields' bits
+    `[N, K / sb]` (d, and dmin or m; zeros where the type has none)."""
+    low: np.ndarray
+    high: np.ndarray
+    sc: np.ndarray
+    mn: np.ndarray
+    d: np.ndarray
+    d2: np.ndarray
+
+
+def gguf_fields(raw: np.ndarray, qtype: str) -> Fields:
+    """GGUF blocks `[N, bytes]` -> their `Fields`."""
     if qtype not in FORMATS:
         raise ValueError(f"quantized type {qtype!r} is not supported (supported: "
                          f"{', '.join(TYPES)})")
-    n = raw.shape[0]
-    per = BLOCK_BYTES[qtype]
+    n, per = raw.shape[0], BLOCK_BYTES[qtype]
     if raw.shape[-1] % per:
         raise ValueError(f"{qtype}: a row of {raw.shape[-1]} bytes is not whole blocks")
     b = np.asarray(raw, np.uint8).reshape(n, -1, per)
+    half = lambda at: np.ascontiguousarray(b[..., at:at + 2]).view(np.uint16)[..., 0]
+    zero16 = np.zeros(b.shape[:2], np.uint16)
+    none = np.zeros((n, 0), np.uint8)
+    flat = lambda a: a.reshape(n, -1)
     if qtype == "Q8_0":
-        d = _f16(b[..., 0:2])
-        q = b[..., 2:].view(np.int8).astype(np.int16)
-        scale, mn = d, np.zeros_like(d)
-    elif qtype in ("Q4_0", "Q4_1"):
-        d = _f16(b[..., 0:2])
-        start = 2 if qtype == "Q4_0" else 4
-        q = _nibbles(b[..., start:]).astype(np.int16)
-        scale, mn = d, (-8 * d if qtype == "Q4_0" else _f16(b[..., 2:4]))
-    elif qtype in ("Q5_0", "Q5_1"):
-        # d (f16)[, m (f16)], qh: the 32 fifth bits (little-endian), qs: 16 bytes of nibbles
-        d = _f16(b[..., 0:2])
-        start = 2 if qtype == "Q5_0" else 4
-        qh = b[..., start:start + 4].copy().view("<u4")                  # [n, nb, 1]
-        high = (qh >> np.arange(32, dtype=np.uint32)) & 1                 # element e: bit e
-        q = (_nibbles(b[..., start + 4:]) | (high.astype(np.uint8) << 4)).astype(np.int16)
-        scale, mn = d, (-16 * d if qtype == "Q5_0" else _f16(b[..., 2:4]))
-    elif qtype in ("Q4_K", "Q5_K"):
-        d, dmin = _f16(b[..., 0:2]), _f16(b[..., 2:4])
-        sc, m = _k_scales(b[..., 4:16])
-        if qtype == "Q4_K":
-            # 4 chunks of 64: 32 bytes, low nibbles the first sub-block, high the second.
-            q = _nibbles(b[..., 16:].reshape(n, -1, 4, 32)).reshape(n, -1, QK_K)
-        else:
-            qh, ql = b[..., 16:48], b[..., 48:]
-            low = _nibbles(ql.reshape(n, -1, 4, 32)).reshape(n, -1, QK_K)
-            # element e's fifth bit: bit e // 32 of qh[e % 32]
-            high = (qh[..., None, :] >> np.arange(8, dtype=np.uint8)[:, None]) & 1
-            q = low | (high.reshape(n, -1, QK_K) << 4)
-        q = q.astype(np.int16)
-        scale, mn = d[..., None] * sc, -(dmin[..., None] * m)
-    else:  # Q6_K: ql 128, qh 64, scales 16 (int8), d
-        ql, qh = b[..., :128], b[..., 128:192]
-        sc = b[..., 192:208].view(np.int8).astype(np.float32)
-        d = _f16(b[..., 208:210])
-        # two halves of 128: ql 64 bytes (nibbles), qh 32 bytes (four 2-bit fields)
-        low = _nibbles(ql.reshape(n, -1, 2, 64))                       # [n, nb, 2, 128]
-        high = (qh.reshape(n, -1, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8)[:, None]) & 3
-        q = (low | (high.reshape(n, -1, 2, 128) << 4)).astype(np.int16) - 32
-        scale, mn = d[..., None] * sc, np.zeros(sc.shape, np.float32)
-    return (q.reshape(n, -1), scale.reshape(n, -1).astype(np.float32),
-            mn.reshape(n, -1).astype(np.float32))
+        low = b[..., 2:].view(np.int8)
+        return Fields(flat(low), flat(np.zeros(low.shape, np.uint8)), none, none, half(0), zero16)
+    if qtype in ("Q4_0", "Q4_1", "Q5_0", "Q5_1"):
+        one, five = qtype.endswith("_1"), qtype.startswith("Q5")
+        start = 4 if one else 2
+        qs = b[..., start + (4 if five else 0):]
+        low = _nibbles(qs)
+        high = np.zeros(low.shape, np.uint8)
+        if five:  # qh: the 32 fifth bits, little-endian, element e at bit e
+            qh = b[..., start:start + 4].copy().view("<u4")
+            high = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
+        return Fields(flat(low), flat(high), none, none, half(0),
+                      half(2) if one else zero16)
+    if qtype in ("Q4_K", "Q5_K"):
+        sc, mn = _k_scales(b[..., 4:16])
+        qs = b[..., 16:] if qtype == "Q4_K" else b[..., 48:]
+        # 4 chunks of 64: 32 bytes, low nibbles the first sub-block, high the second.
+        low = _nibbles(qs.reshape(n, -1, 4, 32)).reshape(n, -1, QK_K)
+        high = np.zeros(low.shape, np.uint8)
+        if qtype == "Q5_K":  # element e's fifth bit: bit e // 32 of qh[e % 32]
+            qh = b[..., 16:48]
+            high = ((qh[..., None, :] >> np.arange(8, dtype=np.uint8)[:, None]) & 1)
+            high = high.reshape(n, -1, QK_K)
+        return Fields(flat(low), flat(high), flat(sc), flat(mn), half(0), half(2))
+    # Q6_K: ql 128, qh 64, scales 16 (int8), d; two halves of 128: ql 64 bytes (nibbles),
+    # qh 32 bytes (four 2-bit fields)
+    ql, qh = b[..., :128], b[..., 128:192]
+    low = _nibbles(ql.reshape(n, -1, 2, 64))
+    high = (qh.reshape(n, -1, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8)[:, None]) & 3
+    return Fields(flat(low), flat(high.reshape(n, -1, 2, 128)),
+                  flat(b[..., 192:208].view(np.int8)), none, half(208), zero16)
 
 
-def pack_gguf(raw: np.ndarray, qtype: str, f: Format | None = None) -> np.ndarray:
+def unpack_blocks(raw: np.ndarray, qtype: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """GGUF blocks `[N, bytes]` -> q `[N, K]` (int16), scale and min `[N, K / qs]` float32,
+    with W^T = q * scale + min per sub-block of `FORMATS[qtype].qs`."""
+    f, x = FORMATS.get(qtype), gguf_fields(raw, qtype)
+    as_half = lambda bits: bits.view(np.float16).astype(np.float32)
+    d, d2 = (np.repeat(as_half(a), f.subs, -1) for a in (x.d, x.d2))
+    q = x.low.astype(np.int16) | (x.high.astype(np.int16) << 4)
+    if qtype == "Q8_0":
+        return q, d, np.zeros_like(d)
+    if f.sb == 32:
+        return q, d, (d2 if qtype.endswith("_1") else -(8 << f.high) * d)
+    if qtype == "Q6_K":
+        return q - 32, d * x.sc.astype(np.float32), np.zeros_like(d)
+    return q, d * x.sc.astype(np.float32), -(d2 * x.mn.astype(np.float32))
+
+
+def pack_gguf(raw: np.ndarray, qtype: str) -> np.ndarray:
     """GGUF blocks of a weight stored `[N, ...]` (N outputs, a whole number of panels) -> the
-    packed `[N / PANEL, K / qk, R]` layout (module docstring) of `f` (default: the type's own,
-    `FORMATS[qtype]`; a wider one that holds it exactly, as `common_format` picks). pack.cc
-    does it in one pass where the kernel library is built; the numpy path beside it makes the
-    same bytes."""
-    f = f or FORMATS[qtype]
-    out = aligned_empty((raw.shape[0] // PANEL, *_packed_tail(raw, qtype, f)), f.dtype)
-    _pack_into(out, raw, qtype, f)
+    packed `[N / PANEL, K / sb, R]` layout (module docstring). pack.cc does it in one pass
+    where the kernel library is built; the numpy path beside it makes the same bytes."""
+    out = aligned_empty((raw.shape[0] // PANEL, *_packed_tail(raw, qtype)), np.uint8)
+    _pack_into(out, raw, qtype)
     return out
 
 
-def _packed_tail(raw: np.ndarray, qtype: str, f: Format) -> tuple[int, int]:
-    """(K / qk, R) of `raw`'s weight packed as `f`."""
+def _packed_tail(raw: np.ndarray, qtype: str) -> tuple[int, int]:
+    """(K / sb, R) of `raw`'s weight packed."""
     if qtype not in FORMATS:
         raise ValueError(f"quantized type {qtype!r} is not supported (supported: "
                          f"{', '.join(TYPES)})")
-    k = raw.shape[-1] // BLOCK_BYTES[qtype] * BLOCK_VALUES[qtype]
-    return k // f.qk, f.row_bytes
+    return raw.shape[-1] // BLOCK_BYTES[qtype], FORMATS[qtype].row_bytes
 
 
-def _pack_into(out: np.ndarray, raw: np.ndarray, qtype: str, f: Format) -> None:
+def _pack_into(out: np.ndarray, raw: np.ndarray, qtype: str) -> None:
     n = raw.shape[0]
     if n % PANEL:
         raise ValueError(f"a quantized weight needs a multiple of {PANEL} outputs, not {n}")
     pack = _native_pack()
     if pack is None:
-        out[...] = pack_numpy(raw, qtype, f)
+        out[...] = pack_numpy(raw, qtype)
         return
     raw = np.ascontiguousarray(raw, np.uint8).reshape(n, -1)
-    code = pack(raw.ctypes.data, n, raw.shape[1], TYPES.index(qtype), f.bits, f.qk,
-                int(f.half), out.ctypes.data)
-    if code == 2:
-        raise ValueError("a scale or min is not a float16: this layout would round it")
+    code = pack(raw.ctypes.data, n, raw.shape[1], TYPES.index(qtype), out.ctypes.data)
     if code:
-        raise ValueError(f"pack.cc refused {qtype} [{n}, {raw.shape[1]} bytes] as {f} "
-                         f"(code {code})")
+        raise ValueError(f"pack.cc refused {qtype} [{n}, {raw.shape[1]} bytes] (code {code})")
 
 
-def pack_numpy(raw: np.ndarray, qtype: str, f: Format | None = None) -> np.ndarray:
+def pack_numpy(raw: np.ndarray, qtype: str) -> np.ndarray:
     """`pack_gguf` in numpy: where pack.cc is not built, and what it is tested against."""
-    f = f or FORMATS[qtype]
-    q, scale, mn = unpack_blocks(raw, qtype)
-    repeat = FORMATS[qtype].qk // f.qk
-    return pack_values(q, np.repeat(scale, repeat, -1), np.repeat(mn, repeat, -1), f)
+    if raw.shape[0] % PANEL:
+        raise ValueError(f"a quantized weight needs a multiple of {PANEL} outputs, not "
+                         f"{raw.shape[0]}")
+    f, x = FORMATS.get(qtype), gguf_fields(raw, qtype)
+    n, k = x.low.shape
+    p, nsb = n // PANEL, k // f.sb
+    # [P, column, nsb, subs, qs] -> [P, nsb, subs, qs, column]
+    by_k = lambda a: a.reshape(p, PANEL, nsb, f.subs, f.qs).transpose(0, 2, 3, 4, 1)
+    low = by_k(x.low.view(np.uint8))                      # [P, nsb, subs, qs, column]
+    quads = lambda a: a.reshape(*a.shape[:-2], f.qs // 4, 4, *a.shape[-1:])
+    if f.int8:  # [.., quad, e, v, j] -> [.., quad, v, j, e]
+        planes = [quads(low).reshape(p, nsb, f.subs, f.qs // 4, 4, 4, 8)
+                  .transpose(0, 1, 2, 3, 5, 6, 4).reshape(p, nsb, f.subs, -1)]
+    else:       # [.., quad, e, v, h, j] -> nibble h of byte (v, j, e)
+        v = quads(low).reshape(p, nsb, f.subs, f.qs // 4, 4, 2, 2, 8)
+        v = v[..., 0, :] | (v[..., 1, :] << 4)              # [.., quad, e, v, j]
+        planes = [v.transpose(0, 1, 2, 3, 5, 6, 4).reshape(p, nsb, f.subs, -1)]
+    if f.high:
+        per = 2 // f.high  # quads a chunk holds
+        h = quads(by_k(x.high)).reshape(p, nsb, f.subs, f.qs // 4 // per, per, 4, 2, 2, 8)
+        # [.., chunk, t, e, v, h, j] -> byte (j, e) of the chunk, bits ((2t + v) 2 + h) high
+        t, v, hh = (np.arange(n).reshape(shape) for n, shape in
+                    ((per, (-1, 1, 1, 1, 1)), (2, (1, 1, -1, 1, 1)), (2, (1, 1, 1, -1, 1))))
+        shift = (((2 * t + v) * 2 + hh) * f.high).astype(np.uint8)
+        bits = (h << shift).sum(axis=(-5, -3, -2), dtype=np.uint32).astype(np.uint8)  # [c, e, j]
+        planes.append(bits.swapaxes(-1, -2).reshape(p, nsb, f.subs, -1))  # [.., c, j, e]
+    subs = np.concatenate(planes, axis=-1).reshape(p, nsb, -1)
+    side = lambda a, dt: np.ascontiguousarray(
+        a.reshape(p, PANEL, nsb, -1).transpose(0, 2, 3, 1)).astype(dt).view(np.uint8)         .reshape(p, nsb, -1)
+    parts = [subs]
+    if f.ints:
+        parts.append(side(x.sc.view(np.uint8), np.uint8))
+    if f.ints == 2:
+        parts.append(side(x.mn, np.uint8))
+    parts.append(side(x.d, "<u2"))
+    if f.halves == 2:
+        parts.append(side(x.d2, "<u2"))
+    return np.concatenate(parts, axis=-1)
 
 
 BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q4_K": 144,
@@ -256,7 +311,7 @@ def _native_pack():
     if fn is not None:
         fn.restype = ctypes.c_int
         fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int,
-                       ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
+                       ctypes.c_void_p]
     return fn
 
 
@@ -274,59 +329,64 @@ def aligned_empty(shape: tuple[int, ...], dtype) -> np.ndarray:
 _PAGE = 4096
 
 
-def pack_values(q: np.ndarray, scale: np.ndarray, mn: np.ndarray, f: Format) -> np.ndarray:
-    """q `[N, K]`, scale and min `[N, K / qk]` -> `[N / PANEL, K / qk, R]`."""
-    n, k = q.shape
-    if n % PANEL:
-        raise ValueError(f"a quantized weight needs a multiple of {PANEL} outputs, not {n}")
-    p, nb = n // PANEL, k // f.qk
-    # [P, PANEL, nb, qk] -> [P, nb, qk, PANEL]
-    v = q.reshape(p, PANEL, nb, f.qk).transpose(0, 2, 3, 1)
-    if f.bits == 4:
-        v = v.astype(np.uint8)
-        v = v[..., :PANEL // 2] | (v[..., PANEL // 2:] << 4)
-    else:
-        v = v.astype(np.int8).view(np.uint8)
-    v = v.reshape(p, nb, f.qk // 2, 2, -1).swapaxes(-1, -2)  # a pair's bytes interleaved
-    if f.half and not all(np.array_equal(a.astype(np.float16).astype(np.float32), a)
-                          for a in (scale, mn)):
-        raise ValueError("a scale or min is not a float16: this layout would round it")
-    side = lambda a: np.ascontiguousarray(
-        a.reshape(p, PANEL, nb).transpose(0, 2, 1).astype(f"<f{f.float_bytes}")).view(np.uint8)
-    out = np.concatenate([v.reshape(p, nb, -1), side(scale), side(mn)], axis=-1)
-    return out.view(f.dtype)
-
-
 # ---- jnp: dequantize, look up rows, the reference dot ------------------------------------
 
-def _split(packed: jax.Array) -> tuple[Format, jax.Array, jax.Array, jax.Array]:
-    """packed `[..., P, nb, R]` -> (format, q float32 `[..., P, nb, qk, PANEL]`, scale and min
-    `[..., P, nb, 1, PANEL]`)."""
-    f = _format(packed)
-    lead = packed.shape[:-1]
-    raw = jax.lax.bitcast_convert_type(packed, jnp.uint8) if f.bits == 8 else packed
-    width = PANEL * f.bits // 8  # bytes a k
-    values = raw[..., :f.value_bytes].reshape(*lead, f.qk // 2, width, 2)
-    values = jnp.swapaxes(values, -1, -2).reshape(*lead, f.qk, width)
-    if f.bits == 4:
-        q = jnp.concatenate([values & 0x0F, values >> 4], axis=-1).astype(jnp.float32)
-    else:
-        q = jax.lax.bitcast_convert_type(values, jnp.int8).astype(jnp.float32)
-    floats = jax.lax.bitcast_convert_type(
-        raw[..., f.value_bytes:].reshape(*lead, 2 * PANEL, f.float_bytes),
-        f.float_dtype).astype(jnp.float32)
-    scale = floats[..., None, :PANEL]
-    mn = floats[..., None, PANEL:]
-    return f, q, scale, mn
+def _halves(raw: jax.Array, at: int) -> jax.Array:
+    """`[..., R]` bytes -> the `PANEL` half fields from byte `at`, as float32 `[..., PANEL]`."""
+    bits = raw[..., at:at + 2 * PANEL].reshape(*raw.shape[:-1], PANEL, 2)
+    return jax.lax.bitcast_convert_type(bits, jnp.float16).astype(jnp.float32)
+
+
+def _scale_min(f: Format, d, d2, sc, mn):
+    """Each column's scale and min from its fields (float32 d, d2; sc, mn integers, broadcast
+    alike): the products `unpack_blocks` forms, in its order."""
+    if f.int8:
+        return d, jnp.zeros_like(d)
+    if f.sb == 32:
+        return d, (d2 if f.halves == 2 else jnp.float32(-(8 << f.high)) * d)
+    scale = d * sc.astype(jnp.float32)
+    return scale, (jnp.zeros_like(scale) if f.ints == 1 else -(d2 * mn.astype(jnp.float32)))
 
 
 def dequantize(packed: jax.Array) -> jax.Array:
-    """`[..., P, nb, R]` -> the float32 weight `[..., K, N]`."""
-    f, q, scale, mn = _split(packed)
-    w = q * scale + mn                                   # [..., P, nb, qk, PANEL]
-    *lead, p, nb, qk, _ = w.shape
-    w = jnp.moveaxis(w.reshape(*lead, p, nb * qk, PANEL), -3, -2)
-    return w.reshape(*lead, nb * qk, p * PANEL)
+    """`[..., P, nsb, R]` -> the float32 weight `[..., K, N]`."""
+    f = _format(packed)
+    lead = packed.shape[:-1]                                   # [..., P, nsb]
+    subs = packed[..., :f.subs * f.sub_bytes].reshape(*lead, f.subs, f.sub_bytes)
+    g = f.qs // 4                                              # quads a sub-block
+    to_k = lambda a: a.reshape(*lead, f.subs, f.qs, PANEL).astype(jnp.int32)
+    if f.int8:  # [.., quad, v, j, e] -> [.., quad, e, v, j]
+        low = subs[..., :f.qs * PANEL].reshape(*lead, f.subs, g, 4, 8, 4)
+        q = to_k(jnp.moveaxis(jax.lax.bitcast_convert_type(low, jnp.int8), -1, -3))
+    else:       # [.., quad, v, j, e], nibble h -> [.., quad, e, v, h, j]
+        low = subs[..., :f.qs * PANEL // 2].reshape(*lead, f.subs, g, 2, 8, 4)
+        low = jnp.stack([low & 0x0F, low >> 4], axis=-1)      # [.., quad, v, j, e, h]
+        q = to_k(jnp.transpose(low, (*range(low.ndim - 5), -5, -2, -4, -1, -3)))
+    if f.high:
+        per = 2 // f.high
+        chunks = subs[..., f.qs * PANEL // 2:].reshape(*lead, f.subs, g // per, 1, 1, 1, 8, 4)
+        t, v, hh = (np.arange(n).reshape(shape) for n, shape in
+                    ((per, (-1, 1, 1, 1, 1)), (2, (1, -1, 1, 1, 1)), (2, (1, 1, -1, 1, 1))))
+        shift = (((2 * t + v) * 2 + hh) * f.high).astype(np.uint8)        # [t, v, h, 1, 1]
+        bits = (chunks >> shift) & ((1 << f.high) - 1)           # [.., c, t, v, h, j, e]
+        bits = jnp.transpose(bits, (*range(bits.ndim - 6), -6, -5, -1, -4, -3, -2))
+        q = q | (to_k(bits) << 4)                                 # [.., c, t, e, v, h, j]
+    if f.qtype == "Q6_K":
+        q = q - 32
+    at = f.subs * f.sub_bytes
+    sc = packed[..., at:at + f.subs * PANEL].reshape(*lead, f.subs, 1, PANEL)
+    if f.qtype == "Q6_K":
+        sc = jax.lax.bitcast_convert_type(sc, jnp.int8)
+    mn = packed[..., at + f.subs * PANEL:at + 2 * f.subs * PANEL].reshape(sc.shape) \
+        if f.ints == 2 else sc
+    h = at + f.subs * PANEL * f.ints
+    d = _halves(packed, h)[..., None, None, :]
+    d2 = _halves(packed, h + 2 * PANEL)[..., None, None, :] if f.halves == 2 else d
+    scale, m = _scale_min(f, d, d2, sc, mn)
+    w = q.astype(jnp.float32) * scale + m                    # [..., P, nsb, subs, qs, PANEL]
+    *outer, p, nsb = lead
+    w = jnp.moveaxis(w.reshape(*outer, p, nsb * f.sb, PANEL), -3, -2)
+    return w.reshape(*outer, nsb * f.sb, p * PANEL)
 
 
 def take_columns(packed: jax.Array, ids: jax.Array) -> jax.Array:
@@ -334,22 +394,38 @@ def take_columns(packed: jax.Array, ids: jax.Array) -> jax.Array:
     token lookup of a tied embedding kept as its (packed) LM head. Only each column's own
     bytes are gathered: a step looks up one token a row."""
     f = _format(packed)
-    raw = jax.lax.bitcast_convert_type(packed, jnp.uint8) if f.bits == 8 else packed
     p, c = (ids // PANEL)[..., None, None], (ids % PANEL)[..., None, None]
-    blocks = jnp.arange(packed.shape[-2])[:, None]                        # [nb, 1]
-    k = jnp.arange(f.qk)
-    at = lambda byte: (k // 2) * 2 * (PANEL * f.bits // 8) + 2 * byte + k % 2  # in a pair
-    if f.bits == 4:
-        v = raw[p, blocks, at(c % (PANEL // 2))]                          # [..., nb, qk]
-        q = (v >> (4 * (c // (PANEL // 2))).astype(jnp.uint8)) & 0x0F
+    at = lambda offsets: packed[p, jnp.arange(packed.shape[-2])[:, None], offsets]
+    k = np.arange(f.sb)
+    j, kk = k // f.qs, k % f.qs                        # the sub-block, the k within it
+    g, e = kk // 4, kk % 4                             # the quad, the k within it
+    base = j * f.sub_bytes + e
+    if f.int8:
+        q = jax.lax.bitcast_convert_type(at(base + g * 4 * PANEL + 4 * c),
+                                         jnp.int8).astype(jnp.int32)
     else:
-        q = jax.lax.bitcast_convert_type(raw[p, blocks, at(c)], jnp.int8)
-    size = f.float_bytes
-    side = lambda at: jax.lax.bitcast_convert_type(
-        raw[p, blocks, at + size * c + jnp.arange(size)],
-        f.float_dtype).astype(jnp.float32)[..., None]  # [..., nb, 1]
-    scale, mn = side(f.value_bytes), side(f.value_bytes + size * PANEL)
-    return (q.astype(jnp.float32) * scale + mn).reshape(*ids.shape, -1)
+        v, h, col = c // 16, (c // 8) % 2, c % 8
+        q = (at(base + g * 2 * PANEL + PANEL * v + 4 * col) >> (4 * h).astype(jnp.uint8)) & 0x0F
+        q = q.astype(jnp.int32)
+        if f.high:
+            per = 2 // f.high
+            chunk = at(base + f.qs * PANEL // 2 + (g // per) * PANEL + 4 * col)
+            shift = ((((g % per) * 2 + v) * 2 + h) * f.high).astype(jnp.uint8)
+            q = q | (((chunk >> shift) & ((1 << f.high) - 1)).astype(jnp.int32) << 4)
+    if f.qtype == "Q6_K":
+        q = q - 32
+    ints = f.subs * f.sub_bytes
+    sc = at(ints + j * PANEL + c)
+    if f.qtype == "Q6_K":
+        sc = jax.lax.bitcast_convert_type(sc, jnp.int8)
+    mn = at(ints + (f.subs + j) * PANEL + c) if f.ints == 2 else sc
+    hat = ints + f.subs * PANEL * f.ints
+    half = lambda off: jax.lax.bitcast_convert_type(
+        at(off + 2 * c + np.arange(2)[None])[..., None, :], jnp.float16).astype(jnp.float32)
+    d = half(hat)
+    d2 = half(hat + 2 * PANEL) if f.halves == 2 else d
+    scale, m = _scale_min(f, d, d2, sc, mn)
+    return (q.astype(jnp.float32) * scale + m).reshape(*ids.shape, -1)
 
 
 def quant_matmul_reference(x: jax.Array, packed: jax.Array) -> jax.Array:
@@ -358,35 +434,29 @@ def quant_matmul_reference(x: jax.Array, packed: jax.Array) -> jax.Array:
     return x.astype(jnp.float32) @ dequantize(packed)
 
 
-def common_format(formats) -> Format:
-    """The one layout every one of `formats` converts to exactly: 8 bits if any is (a 4-bit
-    value is an int8 too), blocks of 16 if any is (a block of 32 is two of 16, its scale and
-    min repeated), half floats only if every one has them."""
-    formats = list(formats)
-    qk = min(f.qk for f in formats)
-    return Format(max(f.bits for f in formats), qk, qk == 32 and all(f.half for f in formats))
-
-
 def pack_gguf_stack(tensors, release=None) -> np.ndarray:
-    """GGUF tensors `[(blocks [N, bytes], type), ...]` of one shape (a parameter's layers,
-    whose types a file may mix) -> `[len, P, K / qk, R]` in their `common_format`, written in
-    place layer by layer (on threads: pack.cc runs without the GIL). A layer given as a list
-    of tensors packs them side by side, their outputs concatenated (a fused `[gate | up]`
-    made without a copy). `release(i)` is called once layer i is packed (the loader drops
-    its file pages)."""
+    """GGUF tensors `[(blocks [N, bytes], type), ...]` of one shape and one type (a
+    parameter's layers) -> `[len, P, K / sb, R]`, written in place layer by layer (on threads:
+    pack.cc runs without the GIL). A layer given as a list of tensors packs them side by side,
+    their outputs concatenated (a fused `[gate | up]` made without a copy). `release(i)` is
+    called once layer i is packed (the loader drops its file pages)."""
     layers = [t if isinstance(t, list) else [t] for t in tensors]
-    f = common_format(FORMATS[t] for parts in layers for _, t in parts)
-    tails = {_packed_tail(raw, t, f) for parts in layers for raw, t in parts}
+    types = {t for parts in layers for _, t in parts}
+    if len(types) != 1:
+        raise ValueError(f"one packed array holds one type, not {sorted(types)}: each layer "
+                         "of a parameter that mixes types is packed alone")
+    qtype = types.pop()
+    tails = {_packed_tail(raw, qtype) for parts in layers for raw, _ in parts}
     rows = [[raw.shape[0] for raw, _ in parts] for parts in layers]
     if len(tails) > 1 or any(r != rows[0] for r in rows):
         raise ValueError(f"the layers' tensors differ in shape: {rows[0]} outputs and "
                          f"{sorted(tails)} blocks against {rows}")
     cuts = np.cumsum([0] + [n // PANEL for n in rows[0]])
-    out = aligned_empty((len(layers), int(cuts[-1]), *tails.pop()), f.dtype)
+    out = aligned_empty((len(layers), int(cuts[-1]), *tails.pop()), np.uint8)
 
     def one(i: int) -> None:
-        for (raw, t), a, b in zip(layers[i], cuts[:-1], cuts[1:]):
-            _pack_into(out[i, a:b], raw, t, f)
+        for (raw, _), a, b in zip(layers[i], cuts[:-1], cuts[1:]):
+            _pack_into(out[i, a:b], raw, qtype)
         if release is not None:
             release(i)
 

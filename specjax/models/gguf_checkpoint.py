@@ -12,6 +12,7 @@ dequantizes every tensor to it at load instead, as the engine did before.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import mmap
 import os
 import struct
@@ -334,13 +335,19 @@ def load_gguf(path: str | os.PathLike, dtype: str | None = None) -> Llama:
         params["lm_head"] = (jax.device_put(packed([["output.weight"]], "lm_head")[0])
                              if "output.weight" in kept
                              else take("output.weight", (D, V), transpose=True))
-    # q/k/v and gate/up packed side by side where their layers share one layout: the layout
+    leftovers = lambda: refuse_leftovers(tensors, f"GGUF file has tensors this "
+                                                  f"{config.model_type} config does not use")
+    types = {key: [file.tensors[n][0].name for n in layer_names(key)] for key in kept_keys}
+    if any(len(set(t)) > 1 for t in types.values()):
+        layers = _mixed_layers(config, shapes, kept_keys, types, packed, take)
+        leftovers()
+        params["layers"] = dict(enumerate(layers))
+        return module_from_params(lambda: _abstract(config, layers), params)
+    # q/k/v and gate/up packed side by side where their layers share one type: the layout
     # the steps run (`models.fused`), made here without a copy of the weights.
     fused = {group: parts for group, parts in FUSED_GROUPS.items()
              if all(f"{p}_proj" in kept_keys for p in parts)
-             and len({quant.common_format(quant.FORMATS[file.tensors[n][0].name]
-                                          for n in layer_names(f"{p}_proj"))
-                      for p in parts}) == 1}
+             and len({types[f"{p}_proj"][0] for p in parts}) == 1}
     layers = {}
     for group, parts in fused.items():
         names = [layer_names(f"{p}_proj") for p in parts]
@@ -356,19 +363,60 @@ def load_gguf(path: str | os.PathLike, dtype: str | None = None) -> Llama:
               if key in kept_keys else
               np.stack([take(name, shape, key in _TRANSPOSED) for name in layer_names(key)]))
         for key, shape in shapes.items() if key not in done})
+    leftovers()
     params["layers"] = layers
-    refuse_leftovers(tensors, f"GGUF file has tensors this {config.model_type} config does "
-                              "not use")
     if not fused:
         return model_from_params(config, params)
+    return module_from_params(lambda: _abstract(config, layers), params)
 
-    def build() -> Llama:  # abstract: the fused layers' shapes in place of the parts'
-        model = Llama(config, rngs=nnx.Rngs(0))
-        model.layers = nnx.Dict({k: nnx.Param(jnp.zeros(v.shape, v.dtype))
-                                 for k, v in layers.items()})
-        return model
 
-    return module_from_params(build, params)
+def _abstract(config: ModelConfig, layers) -> Llama:
+    """A `Llama` (traced abstractly) whose layers have `layers`' shapes: a dict of stacked
+    arrays, or a list of one dict a layer (the unrolled layout)."""
+    model = Llama(config, rngs=nnx.Rngs(0))
+    params = lambda d: nnx.Dict({k: nnx.Param(jnp.zeros(v.shape, v.dtype)) for k, v in d.items()})
+    model.layers = params(layers) if isinstance(layers, dict) else \
+        nnx.List([params(layer) for layer in layers])
+    return model
+
+
+def _mixed_layers(config, shapes, kept_keys, types, packed, take) -> list[dict]:
+    """The layers, one dict each (the unrolled layout), of a model whose quantized layers mix
+    types (a `_K_M` file's `ffn_down` and `attn_v`: Q4_K
+    and Q6_K) in the unrolled layout, each layer's weights in its own type: read at its own
+    size, where one stacked array would widen them all to one layout. A group (q/k/v,
+    gate/up) is packed fused in each layer whose parts share a type."""
+    jobs, layers = [], []
+    for i in range(config.num_layers):
+        layer, done = {}, set()
+        for group, parts in FUSED_GROUPS.items():
+            keys = [f"{p}_proj" for p in parts]
+            if all(k in kept_keys for k in keys) and len({types[k][i] for k in keys}) == 1:
+                jobs.append((i, f"{group}_proj", [f"blk.{i}.{_LAYER_NAMES[k]}" for k in keys],
+                             group))
+                done.update(keys)
+                if all(f"{p}_bias" in shapes for p in parts):
+                    layer[f"{group}_bias"] = np.concatenate(
+                        [take(f"blk.{i}.{_LAYER_NAMES[f'{p}_bias']}", shapes[f"{p}_bias"])
+                         for p in parts])
+                    done.update(f"{p}_bias" for p in parts)
+        for key, shape in shapes.items():
+            if key in done:
+                continue
+            name = f"blk.{i}.{_LAYER_NAMES[key]}"
+            if key in kept_keys:
+                jobs.append((i, key, [name], key))
+            else:
+                layer[key] = take(name, shape, key in _TRANSPOSED)
+        layers.append(layer)
+
+    def one(job) -> None:
+        i, key, names, role = job
+        layers[i][key] = jax.device_put(packed([names], role)[0])
+
+    with concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+        list(pool.map(one, jobs))
+    return layers
 
 
 # ---- writing: what llama.cpp loads (and what the tests build tiny files with) ---------------

@@ -144,13 +144,18 @@ class Llama(nnx.Module):
 
     def layer_params(self) -> dict[str, jax.Array]:
         """Stacked layer parameters as plain arrays under their checkpoint names,
-        `{name: [L, ...]}` (any layout)."""
+        `{name: [L, ...]}` (any layout). Quantized layers of different types (a `_K_M`
+        GGUF's, held unrolled) do not stack: those parameters come dequantized to float32."""
         sizes = projection_sizes(self.config)
         if self.stacked:
             return unfuse_projections({name: p[...] for name, p in self.layers.items()}, sizes)
-        layers = [unfuse_projections({n: p[...] for n, p in layer.items()}, sizes)
-                  for layer in self.layers]
-        return {name: jnp.stack([layer[name] for layer in layers]) for name in layers[0]}
+        layers = self._unfused_layers()
+        return {name: _stack([layer[name] for layer in layers]) for name in layers[0]}
+
+    def _unfused_layers(self) -> list[dict[str, jax.Array]]:
+        sizes = projection_sizes(self.config)
+        return [unfuse_projections({n: p[...] for n, p in layer.items()}, sizes)
+                for layer in self.layers]
 
     @property
     def fused(self) -> bool:
@@ -175,14 +180,17 @@ class Llama(nnx.Module):
         if not self.stacked and fused == self.fused:
             return self
         model = nnx.merge(*nnx.split(self))
-        if self.stacked and (fused or not self.fused):
-            # Already as asked, or fusing more: each layer a view of the stacked arrays.
-            stacked = {name: p[...] for name, p in self.layers.items()}
+        if not self.stacked:  # each layer as it is (its types its own), unfused
+            layers = self._unfused_layers()
         else:
-            stacked = self.layer_params()
-        stacked = {name: layer_views(array) for name, array in stacked.items()}
-        layers = [{name: views[i] for name, views in stacked.items()}
-                  for i in range(self.config.num_layers)]
+            if fused or not self.fused:
+                # Already as asked, or fusing more: each layer a view of the stacked arrays.
+                stacked = {name: p[...] for name, p in self.layers.items()}
+            else:
+                stacked = self.layer_params()
+            stacked = {name: layer_views(array) for name, array in stacked.items()}
+            layers = [{name: views[i] for name, views in stacked.items()}
+                      for i in range(self.config.num_layers)]
         if fused:
             layers = [fuse_projections(layer) for layer in layers]
         model.layers = nnx.List([nnx.Dict({name: nnx.Param(array)
@@ -342,6 +350,14 @@ def decoder_layer(cfg: ModelConfig, lp: dict[str, jax.Array], x: jax.Array, cos:
     q, k, v = layer_qkv(cfg, lp, x, cos, sin)
     attn, state = attend(q, k, v, state)
     return layer_finish(cfg, lp, attn, x), state
+
+
+def _stack(arrays: list[jax.Array]) -> jax.Array:
+    """Layers' arrays as one `[L, ...]`; quantized ones of different types dequantized first
+    (`layer_params`)."""
+    if len({(a.shape, a.dtype) for a in arrays}) > 1 and any(map(quant.is_quantized, arrays)):
+        arrays = [quant.dequantize(a) if quant.is_quantized(a) else a for a in arrays]
+    return jnp.stack(arrays)
 
 
 def layer_views(stacked: jax.Array) -> list[jax.Array]:

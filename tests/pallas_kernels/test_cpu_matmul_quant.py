@@ -1,5 +1,5 @@
-"""Quantized weights: GGUF's blocks repacked (`cpu_matmul.quant`) dequantize to exactly what the
-`gguf` package makes of them, and the kernel on them, every type x row counts 1..64 x every
+"""Quantized weights: GGUF's blocks repacked (`cpu_matmul.quant`), each type at about its file's
+size, dequantize to exactly what the `gguf` package makes of them, and the kernel on them, every type x row counts 1..64 x every
 instruction set, is within a stated bound of the gguf package's dequantization followed by a
 float64 dot (`_quant_bound`), the same bit for bit on every instruction set and whatever rows
 share a call.
@@ -48,8 +48,7 @@ def as_float(raw: np.ndarray, qtype: str) -> np.ndarray:
 def _lib():
     lib = ctypes.CDLL(str(cpu_matmul.library_path()))
     lib.specjax_matmul_run_quant.argtypes = [ctypes.c_char_p, ctypes.c_void_p, ctypes.c_void_p,
-                                             ctypes.c_int, ctypes.c_int64, ctypes.c_void_p] + \
-        [ctypes.c_int64] * 3
+                                             ctypes.c_int64, ctypes.c_void_p] + [ctypes.c_int64] * 3
     return lib
 
 
@@ -58,7 +57,9 @@ def test_repacked_blocks_dequantize_to_the_gguf_packages_floats(qtype):
     raw = gguf_blocks(qtype, 64, K)
     packed = quant.pack_gguf(raw, qtype)
     f = quant.FORMATS[qtype]
-    assert quant.format_of(packed) == f and packed.shape == (2, K // f.qk, f.row_bytes)
+    assert quant.format_of(packed) == f and packed.shape == (2, K // f.sb, f.row_bytes)
+    # the file's bytes, regrouped: the K types' 6-bit sub-block scales take a byte each here
+    assert raw.nbytes <= packed.nbytes <= raw.nbytes * (1.03 if qtype in ("Q4_K", "Q5_K") else 1)
     assert quant.weight_shape(packed) == (K, 64)
     w = as_float(raw, qtype)
     np.testing.assert_array_equal(np.asarray(quant.dequantize(jnp.asarray(packed))), w)
@@ -67,14 +68,15 @@ def test_repacked_blocks_dequantize_to_the_gguf_packages_floats(qtype):
                                   w.T[np.asarray(ids)])
 
 
-def test_mixed_types_stack_in_one_layout_that_holds_each_exactly():
-    tensors = [(gguf_blocks(t, 32, K, seed=i), t) for i, t in enumerate(("Q4_K", "Q6_K", "Q4_1"))]
-    stacked = quant.pack_gguf_stack(tensors)
-    assert quant.format_of(stacked[0]) == quant.Format(8, 16)  # the widest: 8 bits, qk 16
-    # half floats only where every layer's are halves
-    assert quant.common_format(quant.FORMATS[t] for t in ("Q4_1", "Q5_0")) == (8, 32, True)
-    assert quant.common_format(quant.FORMATS[t] for t in ("Q8_0", "Q4_K")) == (8, 32, False)
-    for layer, (raw, t) in zip(stacked, tensors):
+def test_a_stack_holds_one_type_and_refuses_a_mix_by_name():
+    """A parameter whose layers mix types is not widened to one layout: the loader packs each
+    such layer alone (tests/models/test_gguf_checkpoint.py), and a stack of them is refused."""
+    tensors = [(gguf_blocks(t, 32, K, seed=i), t) for i, t in enumerate(("Q4_K", "Q6_K"))]
+    with pytest.raises(ValueError, match=r"one type, not \['Q4_K', 'Q6_K'\]"):
+        quant.pack_gguf_stack(tensors)
+    for raw, t in tensors:
+        (layer,) = quant.pack_gguf_stack([(raw, t)])
+        assert quant.format_of(layer).qtype == t
         np.testing.assert_array_equal(np.asarray(quant.dequantize(jnp.asarray(layer))),
                                       as_float(raw, t))
 
@@ -82,8 +84,7 @@ def test_mixed_types_stack_in_one_layout_that_holds_each_exactly():
 @pytest.mark.skipif(quant._native_pack() is None, reason="the kernel library is not built")
 @pytest.mark.parametrize("qtype", quant.TYPES)
 def test_native_pack_makes_the_numpy_paths_bytes(qtype):
-    """pack.cc (the loader's one pass over a file) against the numpy path, byte for byte, into
-    the type's own layout and every wider one that holds it (a stack that mixes types), with
+    """pack.cc (the loader's one pass over a file) against the numpy path, byte for byte, with
     GGUF's edge cases in the blocks: zero and negative scales, subnormal halves, every value."""
     raw = gguf_blocks(qtype, 2 * PANEL, K, seed=3)
     blocks = raw.reshape(2 * PANEL, -1, quant.BLOCK_BYTES[qtype])
@@ -91,73 +92,38 @@ def test_native_pack_makes_the_numpy_paths_bytes(qtype):
     at = 208 if qtype == "Q6_K" else 0
     for i in range(5):  # block 0 of rows 0..4: d = +0, -0, two subnormals, -1
         blocks[i, 0, at:at + 2] = halves[2 * i:2 * i + 2]
-    own = quant.FORMATS[qtype]
-    wider = {own, own._replace(bits=8), own._replace(bits=8, half=False),
-             quant.Format(8, 16)}
-    for f in wider:
-        native = quant.pack_gguf(raw, qtype, f)
-        np.testing.assert_array_equal(native.view(np.uint8),
-                                      quant.pack_numpy(raw, qtype, f).view(np.uint8),
-                                      err_msg=str(f))
-        assert native.ctypes.data % 4096 == 0  # device_put shares it, no copy
-    stacked = quant.pack_gguf_stack([(raw, qtype), (gguf_blocks("Q6_K", 2 * PANEL, K), "Q6_K")])
-    np.testing.assert_array_equal(stacked[0], quant.pack_numpy(raw, qtype, quant.Format(8, 16)))
+    native = quant.pack_gguf(raw, qtype)
+    np.testing.assert_array_equal(native, quant.pack_numpy(raw, qtype))
+    assert native.ctypes.data % 4096 == 0  # device_put shares it, no copy
+    np.testing.assert_array_equal(np.asarray(quant.dequantize(jnp.asarray(native))),
+                                  as_float(raw, qtype))
     other = gguf_blocks(qtype, PANEL, K, seed=5)  # a layer's parts side by side: [gate | up]
     fused = quant.pack_gguf_stack([[(raw, qtype), (other, qtype)]] * 2)
     np.testing.assert_array_equal(fused, np.stack([np.concatenate(
         [quant.pack_numpy(raw, qtype), quant.pack_numpy(other, qtype)])] * 2))
-    if own.half:  # a min the layout would round: refused, as the numpy path refuses it
-        bad = gguf_blocks(qtype, PANEL, K)
-        bad.reshape(PANEL, -1, quant.BLOCK_BYTES[qtype])[0, 0, 0:2] = \
-            np.array([0x7BFF], np.uint16).view(np.uint8)  # 65504: -8 or -16 x it overflows
-        if qtype in ("Q4_0", "Q5_0"):
-            with pytest.raises(ValueError, match="not a float16"):
-                quant.pack_gguf(bad, qtype)
-
-
-@pytest.mark.skipif(cpu_matmul.library_path() is None, reason="the kernel is not built")
-@pytest.mark.parametrize("isa", ISAS)
-def test_half_floats_give_the_float32_layouts_products_bit_for_bit(isa):
-    """The _0 and _1 types keep GGUF's half-precision scales and mins as halves (fewer bytes a
-    step streams); widened exactly, they give the float32 layout's results to the bit, and
-    both dequantize alike."""
-    lib, x = _lib(), np.random.default_rng(4).standard_normal((7, K)).astype(np.float32)
-    for qtype in ("Q8_0", "Q4_1", "Q5_0"):
-        q, scale, mn = quant.unpack_blocks(gguf_blocks(qtype, 2 * PANEL, K), qtype)
-        half = quant.pack_values(q, scale, mn, quant.FORMATS[qtype])
-        wide = quant.pack_values(q, scale, mn, quant.FORMATS[qtype]._replace(half=False))
-        assert quant.format_of(half).half and half.nbytes < wide.nbytes
-        np.testing.assert_array_equal(np.asarray(quant.dequantize(jnp.asarray(half))),
-                                      np.asarray(quant.dequantize(jnp.asarray(wide))))
-        y = _run_quant(lib, isa, x, half)
-        if y is None:
-            pytest.skip(f"this CPU has no {isa}")
-        np.testing.assert_array_equal(y, _run_quant(lib, isa, x, wide), err_msg=qtype)
-    with pytest.raises(ValueError, match="not a float16"):
-        quant.pack_values(q, scale * np.float32(1 + 2 ** -20), mn, quant.FORMATS["Q5_0"])
 
 
 def _run_quant(lib, isa, x, packed):
     f = quant.format_of(packed)
     k, n = quant.weight_shape(packed)
     y = np.full((x.shape[0], n), np.nan, np.float32)
-    rc = lib.specjax_matmul_run_quant(isa.encode(), x.ctypes.data, packed.ctypes.data, f.bits,
+    rc = lib.specjax_matmul_run_quant(isa.encode(), x.ctypes.data, packed.ctypes.data,
                                       f.row_bytes, y.ctypes.data, x.shape[0], k, n)
     return None if rc == -1 else y
 
 
 def _quant_bound(x, raw, qtype):
-    """The kernel rounds each row's block of x to 16 bits (an error of at most half its step,
-    max |x_block| / 32767 / 2, on each entry), sums x * q over each block exactly in
+    """The kernel rounds each row's sub-block of x to 8 bits (an error of at most half its
+    step, max |x_block| / 127 / 2, on each entry), sums x * q over each sub-block exactly in
     integers, and scales that by s and adds m times the block's float sum of x: the first
-    error times |q s| summed, plus float rounding at most K + 2 K / qk deep on terms bounded
+    error times |q s| summed, plus float rounding at most K + 2 K / qs deep on terms bounded
     by |x| @ (|q s| + |m|) (test_cpu_matmul.py's K * 2^-23 factor)."""
     q, scale, mn = quant.unpack_blocks(raw, qtype)
     f = quant.FORMATS[qtype]
-    qs = np.abs(q * np.repeat(scale, f.qk, 1)).T                    # [K, N]
-    size = qs + np.abs(np.repeat(mn, f.qk, 1)).T
-    step = np.abs(x).reshape(len(x), -1, f.qk).max(-1) / 32767    # [M, nb]
-    rounding = np.repeat(step / 2, f.qk, 1).astype(np.float64) @ qs
+    qs = np.abs(q * np.repeat(scale, f.qs, 1)).T                    # [K, N]
+    size = qs + np.abs(np.repeat(mn, f.qs, 1)).T
+    step = np.abs(x).reshape(len(x), -1, f.qs).max(-1) / 127    # [M, nb]
+    rounding = np.repeat(step / 2, f.qs, 1).astype(np.float64) @ qs
     return rounding * (1 + 1e-6) + x.shape[1] * 2.0 ** -23 * (np.abs(x).astype(np.float64) @ size)
 
 
