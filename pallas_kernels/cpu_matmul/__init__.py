@@ -5,7 +5,7 @@ no kernel), computes `x [..., K] @ W [K, N]` with `W` packed once at load
 (`reference.pack_weight`), inside the compiled step like any other op. `reference.py` holds the
 layout and the jnp dot it is tested against, which runs wherever the kernel cannot:
 `status()` says which and why. A GGUF's quantized weights take the same kernel in their own
-packed layout (`quant.py`; the products in integers, x rounded to 16 bits a block);
+packed layout (`quant.py`; the products in integers, x rounded to about 16 bits a block);
 `quant.quant_matmul_reference` (dequantize, then XLA's dot) runs where the kernel cannot.
 `SPECJAX_CPU_MATMUL=xla` turns the kernel off (A/B runs), and
 `SPECJAX_MATMUL_ISA=avx2|portable` narrows the instruction set it picks at run time.

@@ -14,11 +14,12 @@
 // Quantized weights (quant.py: each GGUF type's own fields regrouped into the same panels, a
 // super-block row at a time: 4-bit low planes, 1- or 2-bit high planes, integer sub-block scales
 // and mins, half-precision d and dmin; about the file's bytes) stream the same way, and the
-// products are integer ones: each row of x is quantized per sub-block of qs to 16 bits (xq =
-// x / dx, dx = max |x| / 32767: a relative error of 2^-16 of the block's largest entry, where the
-// weights' own is 2^-4..2^-8), and a sub-block's sum_k xq_k q_k is exact in int32 (vpmaddwd, 16
-// products an instruction). Then, in float, per sub-block: y += (s * dx) * sum + m * sum_k x_k,
-// s = d * sc and m = -dmin * mn formed exactly from the fields. Every step of that is exact or
+// products are integer ones: each row of x is quantized per sub-block of qs to about 16 bits
+// (v = x / dx, dx = max |x| / 32258, held as two signed bytes v = 254 hi + lo: 8-bit x, as
+// llama.cpp's Q8 activations, moves a 135M model's logits by 2.7 where its dequantized weights
+// keep them within 0.05), and a sub-block's sum_k v_k q_k is exact in int32 (vpmaddubsw on each
+// byte, vpmaddwd by 254 and by 1). Then, in float, per sub-block: y += (s * dx) * sum + m * dx *
+// sum_k v_k, s = d * sc and m = -dmin * mn formed exactly from the fields. Every step of that is exact or
 // rounded the same way whatever M, the row group, the thread split or the instruction set: a
 // row's result is the same bit for bit alone or in a verify step, on any of them.
 //
@@ -212,7 +213,10 @@ void quant_portable(const QuantLayout& ql, int64_t K, const int8_t* xq, const fl
       for (int k = 0; k < t.qs; ++k)
         for (int64_t j = 0; j < PANEL; ++j) {
           const int32_t q = value_at<T>(sub, k, j);
-          for (int r = 0; r < R; ++r) c[r][j] += q * xq[r * K + b * t.qs + k];
+          for (int r = 0; r < R; ++r) {
+            const int8_t* xr = xq + 2 * r * K + b * t.qs + k;
+            c[r][j] += q * (254 * xr[0] + xr[K]);
+          }
         }
       for (int64_t j = 0; j < PANEL; ++j) {
         float scale, mn = 0.f;
@@ -364,15 +368,16 @@ __attribute__((target("avx2"))) inline void quad_values(const uint8_t* sub, int 
 
 // Up to 3 rows, a half panel (16 columns: 2 ymm of y and 2 of integer sums a row) at a time.
 // vpmaddubsw multiplies unsigned values by x's signed bytes, two products a 16-bit lane (at
-// most 2 x 63 x 127: no saturation), vpmaddwd by ones sums a column's four into int32; Q8_0's
-// signed values go in as their magnitudes, their signs moved onto x (vpsignb).
+// most 2 x 128 x 127: no saturation), vpmaddwd by 254 (hi bytes) and by 1 (lo bytes) sums a
+// column's four into int32; Q8_0's signed values go in as their magnitudes, their signs moved
+// onto x (vpsignb).
 template <int T, int R>
 __attribute__((target("avx2,fma,f16c"))) void quant_avx2(
     const QuantLayout& ql, int64_t K, const int8_t* xq, const float* dx, const float* xsum,
     const int32_t* xqsum, const uint8_t* panel, float* y, int64_t ldy) {
   constexpr QuantType t = kTypeOf[T];
   const __m256 sign = _mm256_set1_ps(-0.f);
-  const __m256i ones = _mm256_set1_epi16(1);
+  const __m256i ones = _mm256_set1_epi16(1), w254 = _mm256_set1_epi16(254);
   for (int v = 0; v < 2; ++v) {
     __m256 y0[R], y1[R];
     for (int r = 0; r < R; ++r) y0[r] = y1[r] = _mm256_setzero_ps();
@@ -392,18 +397,33 @@ __attribute__((target("avx2,fma,f16c"))) void quant_avx2(
         const int8_t* xb = xq + b * t.qs;
         __m256i c0[R], c1[R];
         for (int r = 0; r < R; ++r) c0[r] = c1[r] = _mm256_setzero_si256();
+        // F quads' byte products add up in int16 before one vpmaddwd each (F x 2 x 127 x the
+        // largest value fits: 8 quads of 4-bit values, 4 of 5-bit, 2 of 6-bit, 1 of Q8_0's).
+        constexpr int F = t.int8 ? 1 : t.high == 0 ? 8 : t.high == 1 ? 4 : 2;
+        for (int g0 = 0; g0 < t.qs / 4; g0 += F) {
+          __m256i h0[R], h1[R], l0[R], l1[R];
+          for (int r = 0; r < R; ++r)
+            h0[r] = h1[r] = l0[r] = l1[r] = _mm256_setzero_si256();
 #pragma GCC unroll 8
-        for (int g = 0; g < t.qs / 4; ++g) {
-          __m256i w0, w1;
-          quad_values<T>(sub, g, v, &w0, &w1);
-          __m256i a0 = w0, a1 = w1;
-          if (t.int8) a0 = _mm256_abs_epi8(w0), a1 = _mm256_abs_epi8(w1);
+          for (int g = g0; g < g0 + F; ++g) {
+            __m256i w0, w1;
+            quad_values<T>(sub, g, v, &w0, &w1);
+            __m256i a0 = w0, a1 = w1;
+            if (t.int8) a0 = _mm256_abs_epi8(w0), a1 = _mm256_abs_epi8(w1);
+            for (int r = 0; r < R; ++r) {
+              const int8_t* xr = xb + 2 * r * K + 4 * g;
+              const __m256i bh = _mm256_set1_epi32(quad(xr)), bl = _mm256_set1_epi32(quad(xr + K));
+              h0[r] = _mm256_add_epi16(h0[r], _mm256_maddubs_epi16(a0, t.int8 ? _mm256_sign_epi8(bh, w0) : bh));
+              h1[r] = _mm256_add_epi16(h1[r], _mm256_maddubs_epi16(a1, t.int8 ? _mm256_sign_epi8(bh, w1) : bh));
+              l0[r] = _mm256_add_epi16(l0[r], _mm256_maddubs_epi16(a0, t.int8 ? _mm256_sign_epi8(bl, w0) : bl));
+              l1[r] = _mm256_add_epi16(l1[r], _mm256_maddubs_epi16(a1, t.int8 ? _mm256_sign_epi8(bl, w1) : bl));
+            }
+          }
           for (int r = 0; r < R; ++r) {
-            const __m256i bx = _mm256_set1_epi32(quad(xb + r * K + 4 * g));
-            const __m256i x0 = t.int8 ? _mm256_sign_epi8(bx, w0) : bx;
-            const __m256i x1 = t.int8 ? _mm256_sign_epi8(bx, w1) : bx;
-            c0[r] = _mm256_add_epi32(c0[r], _mm256_madd_epi16(_mm256_maddubs_epi16(a0, x0), ones));
-            c1[r] = _mm256_add_epi32(c1[r], _mm256_madd_epi16(_mm256_maddubs_epi16(a1, x1), ones));
+            c0[r] = _mm256_add_epi32(c0[r], _mm256_add_epi32(_mm256_madd_epi16(h0[r], w254),
+                                                             _mm256_madd_epi16(l0[r], ones)));
+            c1[r] = _mm256_add_epi32(c1[r], _mm256_add_epi32(_mm256_madd_epi16(h1[r], w254),
+                                                             _mm256_madd_epi16(l1[r], ones)));
           }
         }
         __m256 s0 = d0, s1 = d1, m0 = d0, m1 = d1;
@@ -500,7 +520,7 @@ void run_panels(const Problem& pr, int64_t p0, int64_t p1, const Isa& is = isa()
     for (int64_t p = p0; p < p1; ++p)
       for (int64_t m0 = 0; m0 < pr.M; m0 += is.quant_rows) {
         const int64_t rows = pr.M - m0 < is.quant_rows ? pr.M - m0 : is.quant_rows;
-        is.quant[ql.type][rows - 1](ql, pr.K, ql.xq + m0 * pr.K, ql.dx + m0 * ql.nb,
+        is.quant[ql.type][rows - 1](ql, pr.K, ql.xq + 2 * m0 * pr.K, ql.dx + m0 * ql.nb,
                                     ql.xsum + m0 * ql.nb, ql.xqsum + m0 * ql.nb,
                                     ql.q + p * ql.nsb * ql.row_bytes,
                                     pr.y + m0 * pr.N + p * PANEL, pr.N);
@@ -567,37 +587,42 @@ bool quant_layout(int64_t row_bytes, int64_t nsb, int64_t K, QuantLayout* ql) {
   return true;
 }
 
-// x per call, for the quantized kernels: each row's blocks of qs in 8 bits (xq = x / dx,
-// rounded to nearest even, dx = max |x| / 127), each block's sum of x in order and its sum
-// of xq. Row by row, so a row's are the same alone or among others.
+// x per call, for the quantized kernels: each row's blocks of qs as v = x / dx rounded to
+// nearest even, dx = max |x| / 32258, v = 254 hi + lo (|hi|, |lo| <= 127: a row's K hi bytes,
+// then its K lo bytes), each block's sum of v and that sum times dx
+// (the min and offset terms take the rounded x's sum, as llama.cpp's: with x's own sum the
+// rounding error meets the weights' uncentred quants, q * e instead of (q - 8) * e, and a
+// Q4_1 or Q5_0 layer errs three times as much). Row by row, so a row's are the same alone
+// or among others.
 struct QuantizedRows {
   std::unique_ptr<int8_t[]> xq;
   std::unique_ptr<float[]> dx, xsum;
   std::unique_ptr<int32_t[]> xqsum;
 
   QuantizedRows(const float* x, int64_t M, int64_t K, QuantLayout* ql)
-      : xq(new int8_t[M * K + 4]), dx(new float[M * ql->nb + 1]),
+      : xq(new int8_t[2 * M * K + 4]), dx(new float[M * ql->nb + 1]),
         xsum(new float[M * ql->nb + 1]), xqsum(new int32_t[M * ql->nb + 1]) {
     const int64_t qs = kTypeOf[ql->type].qs, nb = ql->nb;
     for (int64_t r = 0; r < M; ++r)
       for (int64_t b = 0; b < nb; ++b) {
         const float* xb = x + r * K + b * qs;
-        float amax = 0.f, sum = 0.f;
+        float amax = 0.f;
         for (int64_t k = 0; k < qs; ++k) {
           const float a = xb[k] < 0 ? -xb[k] : xb[k];
           amax = a > amax ? a : amax;
-          sum += xb[k];
         }
-        const float d = amax / 127.f, inv = amax > 0 ? 127.f / amax : 0.f;
+        const float d = amax / 32258.f, inv = amax > 0 ? 32258.f / amax : 0.f;
         int32_t qsum = 0;
         for (int64_t k = 0; k < qs; ++k) {
-          float v = __builtin_nearbyintf(xb[k] * inv);
-          v = v > 127.f ? 127.f : v < -127.f ? -127.f : v;
-          xq[r * K + b * qs + k] = (int8_t)v;
-          qsum += (int32_t)v;
+          float f = __builtin_nearbyintf(xb[k] * inv);
+          f = f > 32258.f ? 32258.f : f < -32258.f ? -32258.f : f;
+          const int32_t v = (int32_t)f, hi = (v + (v < 0 ? -127 : 127)) / 254;
+          xq[2 * r * K + b * qs + k] = (int8_t)hi;
+          xq[2 * r * K + K + b * qs + k] = (int8_t)(v - 254 * hi);
+          qsum += v;
         }
         dx[r * nb + b] = d;
-        xsum[r * nb + b] = sum;
+        xsum[r * nb + b] = d * (float)qsum;
         xqsum[r * nb + b] = qsum;
       }
     ql->xq = xq.get();

@@ -113,17 +113,18 @@ def _run_quant(lib, isa, x, packed):
 
 
 def _quant_bound(x, raw, qtype):
-    """The kernel rounds each row's sub-block of x to 8 bits (an error of at most half its
-    step, max |x_block| / 127 / 2, on each entry), sums x * q over each sub-block exactly in
-    integers, and scales that by s and adds m times the block's float sum of x: the first
-    error times |q s| summed, plus float rounding at most K + 2 K / qs deep on terms bounded
-    by |x| @ (|q s| + |m|) (test_cpu_matmul.py's K * 2^-23 factor)."""
+    """The kernel rounds each row's sub-block of x to a step of max |x_block| / 32258 (an
+    error of at most half of it on each entry) and computes the rounded x times the weight
+    exactly in integers (the min and offset terms take the rounded x's sum): that error times
+    |w| summed, plus float rounding at most K + 2 K / qs deep on terms bounded by
+    |x| @ (|q s| + |m|) (test_cpu_matmul.py's K * 2^-23 factor)."""
     q, scale, mn = quant.unpack_blocks(raw, qtype)
     f = quant.FORMATS[qtype]
     qs = np.abs(q * np.repeat(scale, f.qs, 1)).T                    # [K, N]
     size = qs + np.abs(np.repeat(mn, f.qs, 1)).T
-    step = np.abs(x).reshape(len(x), -1, f.qs).max(-1) / 127    # [M, nb]
-    rounding = np.repeat(step / 2, f.qs, 1).astype(np.float64) @ qs
+    w = np.abs(q * np.repeat(scale, f.qs, 1) + np.repeat(mn, f.qs, 1)).T
+    step = np.abs(x).reshape(len(x), -1, f.qs).max(-1) / 32258   # [M, nb]
+    rounding = np.repeat(step / 2, f.qs, 1).astype(np.float64) @ w
     return rounding * (1 + 1e-6) + x.shape[1] * 2.0 ** -23 * (np.abs(x).astype(np.float64) @ size)
 
 
