@@ -23,9 +23,8 @@
 // rounded the same way whatever M, the row group, the thread split or the instruction set: a
 // row's result is the same bit for bit alone or in a verify step, on any of them.
 //
-// ISA chosen at run time (AVX-512F, AVX2+FMA, portable C++); threads from XLA's intra-op pool.
-// AVX-512 machines run the AVX2 path's quantized kernels (AVX-512 variants are not written
-// yet: nothing here may run untested on a CPU it was not measured on).
+// ISA chosen at run time (AVX-512 VNNI, AVX-512F, AVX2+FMA, portable C++); threads from XLA's
+// intra-op pool. AVX-512 machines without VNNI run the AVX2 path's quantized kernels.
 #include <atomic>
 #include <cstdint>
 #include <cstdlib>
@@ -466,6 +465,159 @@ __attribute__((target("avx2,fma,f16c"))) void quant_avx2(
     }
   }
 }
+
+// ---- AVX-512 VNNI: a whole panel (two zmm of y a row) a super-block row at a time -----------
+#define SPECJAX_VNNI "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,fma,f16c"
+
+// Columns in a zmm's two halves (8 lanes each): the nibble types' bytes hold columns c and
+// 8 + c of each half panel, so a quad's 64 bytes give [0..7, 16..23] in their low nibbles (a)
+// and [8..15, 24..31] in their high ones (b); Q8_0's four k's a column run in column order.
+template <int T> constexpr int lane_col(int which, int half) {
+  return kTypeOf[T].int8 ? 16 * which + 8 * half : 8 * which + 16 * half;
+}
+
+// 16 half fields (columns lane_col(which, 0) + 0..7, lane_col(which, 1) + 0..7) as floats.
+template <int T>
+__attribute__((target(SPECJAX_VNNI))) inline __m512 halves16(const uint8_t* at, int which) {
+  const __m128i lo = _mm_loadu_si128((const __m128i*)(at + 2 * lane_col<T>(which, 0)));
+  const __m128i hi = _mm_loadu_si128((const __m128i*)(at + 2 * lane_col<T>(which, 1)));
+  return _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1));
+}
+
+// 16 integer fields (a byte each, signed for Q6_K) in the same lane order, as floats.
+template <int T, bool SIGNED>
+__attribute__((target(SPECJAX_VNNI))) inline __m512 ints16(const uint8_t* at, int which) {
+  const __m128i b = _mm_unpacklo_epi64(
+      _mm_loadl_epi64((const __m128i*)(at + lane_col<T>(which, 0))),
+      _mm_loadl_epi64((const __m128i*)(at + lane_col<T>(which, 1))));
+  return _mm512_cvtepi32_ps(SIGNED ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b));
+}
+
+// Quad g of a sub-block as unsigned bytes, four k's a lane, in lane_col's order. Q8_0's signed
+// values go in offset by 128 (vpdpbusd multiplies unsigned by signed bytes; the kernel takes
+// 128 sum_k v_k back off, as Q6_K's 32).
+template <int T>
+__attribute__((target(SPECJAX_VNNI))) inline void quad_values16(const uint8_t* sub, int g,
+                                                               __m512i* a, __m512i* b) {
+  constexpr QuantType t = kTypeOf[T];
+  if (t.int8) {
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    *a = _mm512_xor_si512(_mm512_loadu_si512(sub + g * 4 * PANEL), flip);
+    *b = _mm512_xor_si512(_mm512_loadu_si512(sub + g * 4 * PANEL + 2 * PANEL), flip);
+    return;
+  }
+  const __m512i n = _mm512_loadu_si512(sub + g * 2 * PANEL), low = _mm512_set1_epi8(15);
+  *a = _mm512_and_si512(n, low);
+  *b = _mm512_and_si512(_mm512_srli_epi16(n, 4), low);
+  if (t.high) {
+    // quad_values' bits, the two half panels' positions at once: the chunk in both 256-bit
+    // halves, each half shifted by its own count (a count of 16 clears a 16-bit lane)
+    constexpr int per = t.high ? 2 / t.high : 1;
+    const __m512i chunk = _mm512_broadcast_i64x4(
+        _mm256_loadu_si256((const __m256i*)(sub + t.qs * PANEL / 2 + (g / per) * PANEL)));
+    const __m512i mask = _mm512_set1_epi8(t.high == 1 ? 0x10 : 0x30);
+    __m512i* w[2] = {a, b};
+    for (int h = 0; h < 2; ++h) {
+      int left[2], right[2];
+      for (int v = 0; v < 2; ++v) {
+        const int at = (((g % per) * 2 + v) * 2 + h) * t.high;
+        left[v] = at <= 4 ? 4 - at : 16;
+        right[v] = at > 4 ? at - 4 : 16;
+      }
+      const __m512i l = _mm512_inserti64x4(_mm512_set1_epi16((short)left[0]),
+                                           _mm256_set1_epi16((short)left[1]), 1);
+      const __m512i r = _mm512_inserti64x4(_mm512_set1_epi16((short)right[0]),
+                                           _mm256_set1_epi16((short)right[1]), 1);
+      const __m512i bits = _mm512_or_si512(_mm512_sllv_epi16(chunk, l), _mm512_srlv_epi16(chunk, r));
+      *w[h] = _mm512_or_si512(*w[h], _mm512_and_si512(bits, mask));
+    }
+  }
+}
+
+// Up to 4 rows, the whole panel at once: vpdpbusd sums four byte products into an int32 lane,
+// one accumulator a row for x's hi bytes and one for its lo bytes (exact: at most 16 quads x
+// 4 x 255 x 127), then c = 254 hi + lo and the float terms in quant_portable's order.
+template <int T, int R>
+__attribute__((target(SPECJAX_VNNI))) void quant_vnni(
+    const QuantLayout& ql, int64_t K, const int8_t* xq, const float* dx, const float* xsum,
+    const int32_t* xqsum, const uint8_t* panel, float* y, int64_t ldy) {
+  constexpr QuantType t = kTypeOf[T];
+  constexpr int offset = T == Q6_K ? 32 : T == Q8_0 ? 128 : 0;
+  const __m512 sign = _mm512_set1_ps(-0.f);
+  const __m512i w254 = _mm512_set1_epi32(254);
+  __m512 ya[R], yb[R];
+  for (int r = 0; r < R; ++r) ya[r] = yb[r] = _mm512_setzero_ps();
+  for (int64_t sb = 0; sb < ql.nsb; ++sb) {
+    const uint8_t* row = panel + sb * ql.row_bytes;
+    prefetch_ahead(row, ql.row_bytes);
+    const uint8_t* halves = row + t.halves_at();
+    const __m512 da = halves16<T>(halves, 0), db = halves16<T>(halves, 1);
+    __m512 ea = da, eb = db;
+    if (t.halves == 2) ea = halves16<T>(halves + 2 * PANEL, 0), eb = halves16<T>(halves + 2 * PANEL, 1);
+    for (int s = 0; s < t.subs(); ++s) {
+      const uint8_t* sub = row + s * t.sub_bytes();
+      const int64_t b = sb * t.subs() + s;
+      const int8_t* xb = xq + b * t.qs;
+      __m512i ha[R], hb[R], la[R], lb[R];
+      for (int r = 0; r < R; ++r)
+        ha[r] = hb[r] = la[r] = lb[r] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+      for (int g = 0; g < t.qs / 4; ++g) {
+        __m512i wa, wb;
+        quad_values16<T>(sub, g, &wa, &wb);
+        for (int r = 0; r < R; ++r) {
+          const int8_t* xr = xb + 2 * r * K + 4 * g;
+          const __m512i bh = _mm512_set1_epi32(quad(xr)), bl = _mm512_set1_epi32(quad(xr + K));
+          ha[r] = _mm512_dpbusd_epi32(ha[r], wa, bh);
+          hb[r] = _mm512_dpbusd_epi32(hb[r], wb, bh);
+          la[r] = _mm512_dpbusd_epi32(la[r], wa, bl);
+          lb[r] = _mm512_dpbusd_epi32(lb[r], wb, bl);
+        }
+      }
+      __m512 sa = da, sb2 = db, ma = da, mb = db;
+      const uint8_t* ints = row + t.ints_at() + s * PANEL;
+      if (T == Q6_K) {
+        sa = _mm512_mul_ps(da, ints16<T, true>(ints, 0));
+        sb2 = _mm512_mul_ps(db, ints16<T, true>(ints, 1));
+      } else if (t.ints == 2) {
+        sa = _mm512_mul_ps(da, ints16<T, false>(ints, 0));
+        sb2 = _mm512_mul_ps(db, ints16<T, false>(ints, 1));
+        const uint8_t* mins = ints + t.subs() * PANEL;
+        ma = _mm512_xor_ps(sign, _mm512_mul_ps(ea, ints16<T, false>(mins, 0)));
+        mb = _mm512_xor_ps(sign, _mm512_mul_ps(eb, ints16<T, false>(mins, 1)));
+      } else if (t.halves == 2) {
+        ma = ea, mb = eb;
+      } else {
+        const __m512 off = _mm512_set1_ps((float)(-(8 << t.high)));
+        ma = _mm512_mul_ps(off, da), mb = _mm512_mul_ps(off, db);
+      }
+      for (int r = 0; r < R; ++r) {
+        __m512i ca = _mm512_add_epi32(_mm512_mullo_epi32(ha[r], w254), la[r]);
+        __m512i cb = _mm512_add_epi32(_mm512_mullo_epi32(hb[r], w254), lb[r]);
+        if (offset) {
+          const __m512i o = _mm512_set1_epi32(offset * xqsum[r * ql.nb + b]);
+          ca = _mm512_sub_epi32(ca, o);
+          cb = _mm512_sub_epi32(cb, o);
+        }
+        const __m512 d = _mm512_set1_ps(dx[r * ql.nb + b]);
+        ya[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ca), _mm512_mul_ps(sa, d), ya[r]);
+        yb[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(cb), _mm512_mul_ps(sb2, d), yb[r]);
+        if (has_min(T)) {
+          const __m512 xs = _mm512_set1_ps(xsum[r * ql.nb + b]);
+          ya[r] = _mm512_fmadd_ps(xs, ma, ya[r]);
+          yb[r] = _mm512_fmadd_ps(xs, mb, yb[r]);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    float* yr = y + r * ldy;
+    _mm256_storeu_ps(yr + lane_col<T>(0, 0), _mm512_castps512_ps256(ya[r]));
+    _mm256_storeu_ps(yr + lane_col<T>(0, 1), _mm512_extractf32x8_ps(ya[r], 1));
+    _mm256_storeu_ps(yr + lane_col<T>(1, 0), _mm512_castps512_ps256(yb[r]));
+    _mm256_storeu_ps(yr + lane_col<T>(1, 1), _mm512_extractf32x8_ps(yb[r], 1));
+  }
+}
 #endif
 
 #define SPECJAX_TABLE(FN)                                                          \
@@ -485,12 +637,17 @@ const Isa kPortable{"portable", 4, {micro_portable<1>, micro_portable<2>, micro_
 #ifdef SPECJAX_X86
 const Isa kAvx512{"avx512", 12, SPECJAX_TABLE(micro_avx512), 3,
                   SPECJAX_TYPES(SPECJAX_QUANT3, quant_avx2)};
+const Isa kAvx512Vnni{"avx512vnni", 12, SPECJAX_TABLE(micro_avx512), 4,
+                      SPECJAX_TYPES(SPECJAX_QUANT4, quant_vnni)};
 const Isa kAvx2{"avx2", 3, {micro_avx2<1>, micro_avx2<2>, micro_avx2<3>}, 3,
                 SPECJAX_TYPES(SPECJAX_QUANT3, quant_avx2)};
 #endif
 
 #ifdef SPECJAX_X86
-const Isa* avx512() { return &kAvx512; }
+bool has_vnni() {
+  return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
+}
 #endif
 
 
@@ -499,8 +656,11 @@ const Isa* detect() {
   __builtin_cpu_init();
   const char* forced = std::getenv("SPECJAX_MATMUL_ISA");
   const bool want = forced == nullptr || forced[0] == '\0';
+  if ((want || std::strcmp(forced, "avx512vnni") == 0) && __builtin_cpu_supports("avx512f") &&
+      has_vnni())
+    return &kAvx512Vnni;
   if ((want || std::strcmp(forced, "avx512") == 0) && __builtin_cpu_supports("avx512f"))
-    return avx512();
+    return &kAvx512;
   if ((want || std::strcmp(forced, "avx2") == 0) && __builtin_cpu_supports("avx2") &&
       __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
     return &kAvx2;
@@ -701,7 +861,9 @@ const Isa* named(const char* name) {
   const Isa* is = std::strcmp(name, "portable") == 0 ? &kPortable : nullptr;
 #ifdef SPECJAX_X86
   __builtin_cpu_init();
-  if (std::strcmp(name, "avx512") == 0 && __builtin_cpu_supports("avx512f")) is = avx512();
+  if (std::strcmp(name, "avx512vnni") == 0 && __builtin_cpu_supports("avx512f") && has_vnni())
+    is = &kAvx512Vnni;
+  if (std::strcmp(name, "avx512") == 0 && __builtin_cpu_supports("avx512f")) is = &kAvx512;
   if (std::strcmp(name, "avx2") == 0 && __builtin_cpu_supports("avx2") &&
       __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
     is = &kAvx2;

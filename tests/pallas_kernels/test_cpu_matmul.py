@@ -21,7 +21,7 @@ from pallas_kernels.cpu_matmul import PANEL, matmul, matmul_reference, pack_weig
 pytestmark = pytest.mark.skipif(cpu_matmul.library_path() is None,
                                 reason="the kernel is not built (no compiler at install)")
 
-ISAS = ("avx512", "avx2", "portable")
+ISAS = ("avx512vnni", "avx512", "avx2", "portable")
 # (K, N): decode shapes in miniature, and the awkward ones: one column, a panel and one, a
 # K of one, K not a multiple of the 128-row block.
 SHAPES = [(64, 96), (129, 33), (1, 70), (7, 1), (300, 31), (256, 200)]

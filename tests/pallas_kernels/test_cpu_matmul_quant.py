@@ -16,7 +16,7 @@ from gguf.quants import dequantize, quantize
 from pallas_kernels import cpu_matmul
 from pallas_kernels.cpu_matmul import PANEL, quant
 
-ISAS = ("avx512", "avx2", "portable")
+ISAS = ("avx512vnni", "avx512", "avx2", "portable")
 K = 512  # two K-type super-blocks; four 128-row kernel blocks
 
 
