@@ -30,6 +30,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <vector>
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
@@ -99,12 +100,51 @@ struct QuantLayout {
   int64_t nsb = 0, nb = 0, row_bytes = 0;
 };
 
+// A run of consecutive rows of x, none of them zero, at most the ISA's row count.
+struct RowGroup {
+  int64_t m0, rows;
+};
+
 struct Problem {
   const float* x;  // [M, K]
   const float* w;  // [P, K, PANEL]
   float* y;        // [M, N]
   int64_t M, K, N, P;
   QuantLayout quant;
+  const RowGroup* groups = nullptr;  // RowGroups: the rows to compute
+  int64_t ngroups = 0;
+};
+
+// A step's padding rows reach the kernel as zeros (specjax.core.forward zeroes them, and a
+// zero row stays zero through norms and bias-free projections): a zero row's product is +0
+// in every column, in the kernel's arithmetic too (fma(+-0, w, +0) = +0 for finite w), so it
+// is written once and skipped. A 16-token prompt in a 64-wide prefill chunk multiplies 16
+// rows, not 64; an idle slot of a batch bucket costs nothing.
+struct RowGroups {
+  std::vector<RowGroup> list;
+  int64_t live = 0;
+
+  RowGroups(const float* x, int64_t M, int64_t K, int64_t max_rows, float* y, int64_t N) {
+    for (int64_t m = 0; m < M; ++m) {
+      const float* xr = x + m * K;
+      bool zero = true;
+      for (int64_t k = 0; k < K && zero; ++k) zero = xr[k] == 0.f;
+      if (zero) {
+        std::memset(y + m * N, 0, sizeof(float) * N);
+        continue;
+      }
+      ++live;
+      if (!list.empty() && list.back().m0 + list.back().rows == m &&
+          list.back().rows < max_rows)
+        ++list.back().rows;
+      else
+        list.push_back({m, 1});
+    }
+  }
+  void into(Problem* pr) const {
+    pr->groups = list.data();
+    pr->ngroups = (int64_t)list.size();
+  }
 };
 
 // Rows of x (R of them: the template's; xq, dx, xsum, xqsum at their first) times one
@@ -678,8 +718,8 @@ void run_panels(const Problem& pr, int64_t p0, int64_t p1, const Isa& is = isa()
   const QuantLayout& ql = pr.quant;
   if (ql.q != nullptr) {  // every row group of each panel, the panel in L2 after the first
     for (int64_t p = p0; p < p1; ++p)
-      for (int64_t m0 = 0; m0 < pr.M; m0 += is.quant_rows) {
-        const int64_t rows = pr.M - m0 < is.quant_rows ? pr.M - m0 : is.quant_rows;
+      for (int64_t g = 0; g < pr.ngroups; ++g) {
+        const int64_t m0 = pr.groups[g].m0, rows = pr.groups[g].rows;
         is.quant[ql.type][rows - 1](ql, pr.K, ql.xq + 2 * m0 * pr.K, ql.dx + m0 * ql.nb,
                                     ql.xsum + m0 * ql.nb, ql.xqsum + m0 * ql.nb,
                                     ql.q + p * ql.nsb * ql.row_bytes,
@@ -692,8 +732,8 @@ void run_panels(const Problem& pr, int64_t p0, int64_t p1, const Isa& is = isa()
     const int64_t cols = pr.N - p * PANEL < PANEL ? pr.N - p * PANEL : PANEL;
     for (int64_t k0 = 0; k0 < pr.K; k0 += KB) {
       const int64_t kc = pr.K - k0 < KB ? pr.K - k0 : KB;
-      for (int64_t m0 = 0; m0 < pr.M; m0 += is.max_rows) {
-        const int64_t rows = pr.M - m0 < is.max_rows ? pr.M - m0 : is.max_rows;
+      for (int64_t g = 0; g < pr.ngroups; ++g) {
+        const int64_t m0 = pr.groups[g].m0, rows = pr.groups[g].rows;
         is.micro[rows - 1](pr.x + m0 * pr.K + k0, pr.K, wp + k0 * PANEL, kc,
                            pr.y + m0 * pr.N + p * PANEL, pr.N, k0 == 0, cols);
       }
@@ -722,7 +762,7 @@ struct Job {
 // costs more than it saves.
 constexpr int64_t kParallelMin = 1 << 18;
 
-ffi::Error run(ffi::ThreadPool& pool, const Problem& pr);
+ffi::Error run(ffi::ThreadPool& pool, Problem pr);
 
 ffi::Error matmul_f32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
                       ffi::ResultBuffer<ffi::F32> y) {
@@ -811,14 +851,18 @@ ffi::Error matmul_quant(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyB
   return run(pool, pr);  // returns once every panel is done: `rows` outlives the work
 }
 
-ffi::Error run(ffi::ThreadPool& pool, const Problem& pr) {
+ffi::Error run(ffi::ThreadPool& pool, Problem pr) {
   if (pr.M == 0 || pr.N == 0) return ffi::Error::Success();
   if (pr.K == 0) {
     std::memset(pr.y, 0, sizeof(float) * pr.M * pr.N);
     return ffi::Error::Success();
   }
+  const RowGroups groups(pr.x, pr.M, pr.K,
+                         pr.quant.q != nullptr ? isa().quant_rows : isa().max_rows, pr.y, pr.N);
+  groups.into(&pr);
+  if (groups.live == 0) return ffi::Error::Success();
   const int64_t threads = pool.num_threads();
-  if (threads <= 1 || pr.M * pr.K * pr.N < kParallelMin || pr.P < 2) {
+  if (threads <= 1 || groups.live * pr.K * pr.N < kParallelMin || pr.P < 2) {
     run_panels(pr, 0, pr.P);
     return ffi::Error::Success();
   }
@@ -880,9 +924,14 @@ extern "C" int specjax_matmul_run(const char* name, const float* x, const float*
                                   int64_t M, int64_t K, int64_t N) {
   const Isa* is = named(name);
   if (is == nullptr) return -1;
-  const Problem pr{x, w, y, M, K, N, (N + PANEL - 1) / PANEL, {}};
-  if (K == 0) std::memset(y, 0, sizeof(float) * M * N);
-  else run_panels(pr, 0, pr.P, *is);
+  Problem pr{x, w, y, M, K, N, (N + PANEL - 1) / PANEL, {}};
+  if (K == 0) {
+    std::memset(y, 0, sizeof(float) * M * N);
+    return 0;
+  }
+  const RowGroups groups(x, M, K, is->max_rows, y, N);
+  groups.into(&pr);
+  run_panels(pr, 0, pr.P, *is);
   return 0;
 }
 
@@ -897,6 +946,8 @@ extern "C" int specjax_matmul_run_quant(const char* name, const float* x, const 
     return -2;
   pr.quant.q = q;
   const QuantizedRows rows(x, M, K, &pr.quant);
+  const RowGroups groups(x, M, K, is->quant_rows, y, N);
+  groups.into(&pr);
   run_panels(pr, 0, pr.P, *is);
   return 0;
 }

@@ -107,7 +107,9 @@ class PagedAttention:
         else:
             out = attend(q, pool.k, pool.v, self.batch.block_tables, self.positions,
                          self.context_lens)
-        return out.astype(q.dtype)
+        # Padding rows attend to nothing of use: zero, with the zeroed embedding below, they
+        # keep a zero residual stream through every layer, rows the CPU kernel skips.
+        return jnp.where(self.valid[:, :, None, None], out, 0).astype(q.dtype)
 
     def attend(self, q, k, v, layer, pool: KVPool) -> tuple[jax.Array, KVPool]:
         pool = self.write(k, v, layer, pool)
@@ -142,8 +144,9 @@ def paged_forward(model: Llama, kv: KVPool, batch: StepBatch,
     """
     paged = PagedAttention(batch, kv.tokens_per_block, layer_windows(model.config), tree)
     extra = {"recurrence": aux["recurrent"]} if aux and "recurrent" in aux else {}
-    hidden, captured, kv = model.run_layers(model.embed_tokens(batch.tokens), paged.positions,
-                                            paged.attend, kv, capture_layers, **extra)
+    x = jnp.where(paged.valid[:, :, None], model.embed_tokens(batch.tokens), 0)
+    hidden, captured, kv = model.run_layers(x, paged.positions, paged.attend, kv,
+                                            capture_layers, **extra)
     return kv, hidden, captured
 
 

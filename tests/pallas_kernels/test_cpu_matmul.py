@@ -78,6 +78,27 @@ def test_every_row_count_and_awkward_shape_within_the_bound(isa):
             np.testing.assert_array_equal(y[-1], _run(lib, isa, x_all[m - 1:m], packed, n)[0])
 
 
+@pytest.mark.parametrize("isa", ISAS)
+def test_zero_rows_give_zeros_and_leave_the_others_alone(isa):
+    """A step's padding rows arrive as zeros and are skipped: their outputs +0 (what the FMA
+    chain gives), the rows between them bit-identical to a run without any zero row."""
+    lib, rng = _lib(), np.random.default_rng(3)
+    k, n = 300, 70
+    w = rng.standard_normal((k, n)).astype(np.float32)
+    packed = np.asarray(pack_weight(jnp.asarray(w)))
+    x = rng.standard_normal((20, k)).astype(np.float32)
+    dead = np.array([0, 3, 4, 5, 9, 19])
+    x[dead] = 0.0
+    x[4, ::2] = -0.0
+    y = _run(lib, isa, x, packed, n)
+    if y is None:
+        pytest.skip(f"this CPU has no {isa}")
+    live = np.setdiff1d(np.arange(20), dead)
+    np.testing.assert_array_equal(y[dead], np.zeros((len(dead), n), np.float32))
+    assert not np.signbit(y[dead]).any()
+    np.testing.assert_array_equal(y[live], _run(lib, isa, x[live], packed, n))
+
+
 def test_no_rows_and_no_depth():
     lib = _lib()
     assert _run(lib, "portable", np.zeros((0, 4), np.float32),

@@ -153,6 +153,26 @@ def test_every_type_and_row_count_within_the_bound_and_alike_on_every_isa(isa):
 
 
 @pytest.mark.skipif(cpu_matmul.library_path() is None, reason="the kernel is not built")
+@pytest.mark.parametrize("isa", ISAS)
+def test_zero_rows_give_zeros_and_leave_the_others_alone(isa):
+    """Padding rows (zeros) are skipped: +0 out, what the integer path gives a zero row, and
+    the live rows bit-identical to a call without them, for every type."""
+    lib, rng = _lib(), np.random.default_rng(4)
+    x = rng.standard_normal((11, K)).astype(np.float32)
+    dead = np.array([1, 2, 6, 10])
+    x[dead] = 0.0
+    live = np.setdiff1d(np.arange(11), dead)
+    for qtype in quant.TYPES:
+        packed = np.ascontiguousarray(quant.pack_gguf(gguf_blocks(qtype, PANEL, K), qtype))
+        y = _run_quant(lib, isa, x, packed)
+        if y is None:
+            pytest.skip(f"this CPU has no {isa}")
+        assert np.all(y[dead] == 0) and not np.signbit(y[dead]).any(), qtype
+        np.testing.assert_array_equal(y[live], _run_quant(lib, isa, x[live], packed),
+                                      err_msg=qtype)
+
+
+@pytest.mark.skipif(cpu_matmul.library_path() is None, reason="the kernel is not built")
 def test_jitted_custom_call_with_threads_and_rows_alone_or_together():
     assert cpu_matmul.available(), cpu_matmul.status()
     rng = np.random.default_rng(2)
