@@ -10,7 +10,8 @@ import specjax
 from pallas_kernels.paged_attention import paged_attention_chunks, paged_attention_reference
 from specjax import DraftTargetConfig, NGramConfig, SamplingParams
 from specjax.engine.compile_counter import count_compilations
-from specjax.core import empty_batch
+from specjax.core import empty_batch, set_row
+from specjax.core.forward import paged_forward
 from specjax.models import Llama
 from specjax.models.dense_greedy import dense_greedy
 from specjax.models.eagle3_head import Eagle3Head, Eagle3HeadConfig
@@ -177,6 +178,30 @@ def test_the_step_holds_one_layer_and_one_attention_body():
     assert program(6, 256, True) == base
     assert program(2, 2048, True) == base
     assert program(2, 2048, False) == program(2, 256, False)
+
+
+def test_padding_rows_stay_zero_through_the_layers_and_real_rows_are_untouched():
+    """Padding tokens leave the paged forward as zeros after every layer, even with q/k/v
+    biases (Qwen's): their embedding and attention output are zeroed, and the CPU kernel
+    skips zero rows. A real row's hidden states are the same with padding beside it or not."""
+    model = Llama(TINY.replace(qkv_bias=True, max_position_embeddings=64), rngs=nnx.Rngs(0))
+    llm = specjax.LLM(model, max_batch_size=2, tokens_per_block=4, progress=False)
+    ex = llm.engine.executor
+    blocks = [1, 2]
+    forward = jax.jit(lambda params, pool, batch: paged_forward(
+        nnx.merge(ex.graphdef, params), pool, batch, capture_layers=(0,))[1:])
+
+    def run(width):
+        batch = empty_batch(2, width, ex.blocks_per_seq, ex.spare_slot)
+        set_row(batch, 0, run=[5, 6], start_pos=0, slot=0, blocks=blocks, max_len=64)
+        return forward(ex.params.target, ex.state.target, batch)
+
+    hidden, captured = run(4)   # row 0: two tokens, two padding; row 1: all padding
+    assert np.all(np.asarray(hidden[0, 2:]) == 0) and np.all(np.asarray(hidden[1]) == 0)
+    assert np.all(np.asarray(captured[:, 0, 2:]) == 0)
+    assert np.any(np.asarray(hidden[0, :2]) != 0)
+    alone, _ = run(2)
+    np.testing.assert_array_equal(np.asarray(hidden[0, :2]), np.asarray(alone[0]))
 
 
 def test_a_batch_of_the_wrong_shape_is_refused_by_name():
