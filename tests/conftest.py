@@ -25,6 +25,14 @@ os.environ["XLA_FLAGS"] = " ".join(
                                          if f.split("=")[0] not in os.environ.get("XLA_FLAGS", "")]
 ).strip()
 
+# The parity tests run transformers beside the engine in one process, and the xdist workers
+# share the cores: torch's OpenMP threads spin-wait between ops by default and take the cores
+# from XLA's pool and the other worker. Sleeping instead changes no result (only idle
+# threads), and the Gemma 3 and SmolLM2 slow modules took 237 s against 300 (2-core Intel
+# Xeon; the Gemma greedy test 112 s against 170). Set before torch loads libgomp, and
+# inherited by the workers and subprocesses.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 # A persistent compilation cache of this test run's own, empty at its start and shared by its
 # xdist workers and by every subprocess the tests start (servers, CLIs, notebooks: through
 # SPECJAX_COMPILATION_CACHE); the first process to load this file makes it, the rest inherit
