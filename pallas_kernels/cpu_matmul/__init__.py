@@ -8,7 +8,8 @@ layout and the jnp dot it is tested against, which runs wherever the kernel cann
 packed layout (`quant.py`; the products in integers, x rounded to about 16 bits a block);
 `quant.quant_matmul_reference` (dequantize, then XLA's dot) runs where the kernel cannot.
 `SPECJAX_CPU_MATMUL=xla` turns the kernel off (A/B runs), and
-`SPECJAX_MATMUL_ISA=avx512vnni|avx512|avx2|portable` narrows the instruction set it picks at run time.
+`SPECJAX_MATMUL_ISA=avx512vnni|avx512|avx2|portable` narrows the instruction set it picks at
+run time.
 """
 from __future__ import annotations
 
@@ -58,8 +59,8 @@ def _load() -> tuple[str | None, str]:
 
 
 def status() -> str:
-    """What `matmul` runs on this machine: "kernel (avx512)" / "kernel (avx2)" /
-    "kernel (portable)", or "xla (<why>)"."""
+    """What `matmul` runs on this machine: "kernel (avx512vnni)" / "kernel (avx512)" /
+    "kernel (avx2)" / "kernel (portable)", or "xla (<why>)"."""
     if os.environ.get(_ENV, "").lower() == "xla":
         return f"xla ({_ENV}=xla)"
     isa, why = _load()
