@@ -23,6 +23,11 @@
 // rounded the same way whatever M, the row group, the thread split or the instruction set: a
 // row's result is the same bit for bit alone or in a verify step, on any of them.
 //
+// A weight whose bytes arrive as int8 (quant.with_8bit_x) asks for x in 8 bits instead, as
+// llama.cpp's Q8 activations: v = 254 round(127 x / max |x|), the same dx, so lo = 0 and every
+// path computes the same integers; the AVX2 kernels skip the zero low bytes (half the
+// vpmaddubsw, which bounds them on AVX2-only cores). Still row by row: exact speculation holds.
+//
 // ISA chosen at run time (AVX-512 VNNI, AVX-512F, AVX2+FMA, portable C++); threads from XLA's
 // intra-op pool. AVX-512 machines without VNNI run the AVX2 path's quantized kernels.
 #include <atomic>
@@ -98,6 +103,7 @@ struct QuantLayout {
   const int32_t* xqsum = nullptr;
   int type = 0;
   int64_t nsb = 0, nb = 0, row_bytes = 0;
+  bool x8 = false;  // x rounded to 8 bits: its low bytes are zero (QuantizedRows)
 };
 
 // A run of consecutive rows of x, none of them zero, at most the ISA's row count.
@@ -165,6 +171,9 @@ struct Isa {
   MicroFn micro[16];  // by rows - 1
   int64_t quant_rows;
   QuantFn quant[kTypes][4];  // [type][rows - 1]
+  // The same products where x's low bytes are all zero (8-bit x: QuantizedRows), free to skip
+  // them: the integers, and so every result, are the ones `quant` computes.
+  QuantFn quant8[kTypes][4];
 };
 
 // One row's quad xq[k..k + 3] as the 32-bit word the integer dot instructions take.
@@ -410,7 +419,7 @@ __attribute__((target("avx2"))) inline void quad_values(const uint8_t* sub, int 
 // most 2 x 128 x 127: no saturation), vpmaddwd by 254 (hi bytes) and by 1 (lo bytes) sums a
 // column's four into int32; Q8_0's signed values go in as their magnitudes, their signs moved
 // onto x (vpsignb).
-template <int T, int R>
+template <int T, int R, bool LO = true>
 __attribute__((target("avx2,fma,f16c"))) void quant_avx2(
     const QuantLayout& ql, int64_t K, const int8_t* xq, const float* dx, const float* xsum,
     const int32_t* xqsum, const uint8_t* panel, float* y, int64_t ldy) {
@@ -454,15 +463,22 @@ __attribute__((target("avx2,fma,f16c"))) void quant_avx2(
               const __m256i bh = _mm256_set1_epi32(quad(xr)), bl = _mm256_set1_epi32(quad(xr + K));
               h0[r] = _mm256_add_epi16(h0[r], _mm256_maddubs_epi16(a0, t.int8 ? _mm256_sign_epi8(bh, w0) : bh));
               h1[r] = _mm256_add_epi16(h1[r], _mm256_maddubs_epi16(a1, t.int8 ? _mm256_sign_epi8(bh, w1) : bh));
-              l0[r] = _mm256_add_epi16(l0[r], _mm256_maddubs_epi16(a0, t.int8 ? _mm256_sign_epi8(bl, w0) : bl));
-              l1[r] = _mm256_add_epi16(l1[r], _mm256_maddubs_epi16(a1, t.int8 ? _mm256_sign_epi8(bl, w1) : bl));
+              if (LO) {
+                l0[r] = _mm256_add_epi16(l0[r], _mm256_maddubs_epi16(a0, t.int8 ? _mm256_sign_epi8(bl, w0) : bl));
+                l1[r] = _mm256_add_epi16(l1[r], _mm256_maddubs_epi16(a1, t.int8 ? _mm256_sign_epi8(bl, w1) : bl));
+              }
             }
           }
           for (int r = 0; r < R; ++r) {
-            c0[r] = _mm256_add_epi32(c0[r], _mm256_add_epi32(_mm256_madd_epi16(h0[r], w254),
-                                                             _mm256_madd_epi16(l0[r], ones)));
-            c1[r] = _mm256_add_epi32(c1[r], _mm256_add_epi32(_mm256_madd_epi16(h1[r], w254),
-                                                             _mm256_madd_epi16(l1[r], ones)));
+            if (LO) {
+              c0[r] = _mm256_add_epi32(c0[r], _mm256_add_epi32(_mm256_madd_epi16(h0[r], w254),
+                                                               _mm256_madd_epi16(l0[r], ones)));
+              c1[r] = _mm256_add_epi32(c1[r], _mm256_add_epi32(_mm256_madd_epi16(h1[r], w254),
+                                                               _mm256_madd_epi16(l1[r], ones)));
+            } else {
+              c0[r] = _mm256_add_epi32(c0[r], _mm256_madd_epi16(h0[r], w254));
+              c1[r] = _mm256_add_epi32(c1[r], _mm256_madd_epi16(h1[r], w254));
+            }
           }
         }
         __m256 s0 = d0, s1 = d1, m0 = d0, m1 = d1;
@@ -666,6 +682,7 @@ __attribute__((target(SPECJAX_VNNI))) void quant_vnni(
 
 #define SPECJAX_QUANT4(FN, T) {FN<T, 1>, FN<T, 2>, FN<T, 3>, FN<T, 4>}
 #define SPECJAX_QUANT3(FN, T) {FN<T, 1>, FN<T, 2>, FN<T, 3>, nullptr}
+#define SPECJAX_QUANT3_HI(FN, T) {FN<T, 1, false>, FN<T, 2, false>, FN<T, 3, false>, nullptr}
 // Isa::quant's rows, one a type (quant.TYPES order).
 #define SPECJAX_TYPES(Q, FN)                                                           \
   {Q(FN, Q8_0), Q(FN, Q4_0), Q(FN, Q4_1), Q(FN, Q5_0), Q(FN, Q5_1), Q(FN, Q4_K),   \
@@ -673,14 +690,18 @@ __attribute__((target(SPECJAX_VNNI))) void quant_vnni(
 
 const Isa kPortable{"portable", 4, {micro_portable<1>, micro_portable<2>, micro_portable<3>,
                                     micro_portable<4>}, 4,
+                    SPECJAX_TYPES(SPECJAX_QUANT4, quant_portable),
                     SPECJAX_TYPES(SPECJAX_QUANT4, quant_portable)};
 #ifdef SPECJAX_X86
 const Isa kAvx512{"avx512", 12, SPECJAX_TABLE(micro_avx512), 3,
-                  SPECJAX_TYPES(SPECJAX_QUANT3, quant_avx2)};
+                  SPECJAX_TYPES(SPECJAX_QUANT3, quant_avx2),
+                  SPECJAX_TYPES(SPECJAX_QUANT3_HI, quant_avx2)};
 const Isa kAvx512Vnni{"avx512vnni", 12, SPECJAX_TABLE(micro_avx512), 4,
+                      SPECJAX_TYPES(SPECJAX_QUANT4, quant_vnni),
                       SPECJAX_TYPES(SPECJAX_QUANT4, quant_vnni)};
 const Isa kAvx2{"avx2", 3, {micro_avx2<1>, micro_avx2<2>, micro_avx2<3>}, 3,
-                SPECJAX_TYPES(SPECJAX_QUANT3, quant_avx2)};
+                SPECJAX_TYPES(SPECJAX_QUANT3, quant_avx2),
+                SPECJAX_TYPES(SPECJAX_QUANT3_HI, quant_avx2)};
 #endif
 
 #ifdef SPECJAX_X86
@@ -720,7 +741,7 @@ void run_panels(const Problem& pr, int64_t p0, int64_t p1, const Isa& is = isa()
     for (int64_t p = p0; p < p1; ++p)
       for (int64_t g = 0; g < pr.ngroups; ++g) {
         const int64_t m0 = pr.groups[g].m0, rows = pr.groups[g].rows;
-        is.quant[ql.type][rows - 1](ql, pr.K, ql.xq + 2 * m0 * pr.K, ql.dx + m0 * ql.nb,
+        (ql.x8 ? is.quant8 : is.quant)[ql.type][rows - 1](ql, pr.K, ql.xq + 2 * m0 * pr.K, ql.dx + m0 * ql.nb,
                                     ql.xsum + m0 * ql.nb, ql.xqsum + m0 * ql.nb,
                                     ql.q + p * ql.nsb * ql.row_bytes,
                                     pr.y + m0 * pr.N + p * PANEL, pr.N);
@@ -799,7 +820,7 @@ struct QuantizedRows {
   std::unique_ptr<float[]> dx, xsum;
   std::unique_ptr<int32_t[]> xqsum;
 
-  QuantizedRows(const float* x, int64_t M, int64_t K, QuantLayout* ql)
+  QuantizedRows(const float* x, int64_t M, int64_t K, QuantLayout* ql, int x_bits)
       : xq(new int8_t[2 * M * K + 4]), dx(new float[M * ql->nb + 1]),
         xsum(new float[M * ql->nb + 1]), xqsum(new int32_t[M * ql->nb + 1]) {
     const int64_t qs = kTypeOf[ql->type].qs, nb = ql->nb;
@@ -811,12 +832,15 @@ struct QuantizedRows {
           const float a = xb[k] < 0 ? -xb[k] : xb[k];
           amax = a > amax ? a : amax;
         }
-        const float d = amax / 32258.f, inv = amax > 0 ? 32258.f / amax : 0.f;
+        // 8 bits: v = 254 round(x 127 / amax), the same dx (32258 = 254 x 127), lo = 0
+        const float top = x_bits == 8 ? 127.f : 32258.f;
+        const float d = amax / 32258.f, inv = amax > 0 ? top / amax : 0.f;
         int32_t qsum = 0;
         for (int64_t k = 0; k < qs; ++k) {
           float f = __builtin_nearbyintf(xb[k] * inv);
-          f = f > 32258.f ? 32258.f : f < -32258.f ? -32258.f : f;
-          const int32_t v = (int32_t)f, hi = (v + (v < 0 ? -127 : 127)) / 254;
+          f = f > top ? top : f < -top ? -top : f;
+          const int32_t v = x_bits == 8 ? 254 * (int32_t)f : (int32_t)f;
+          const int32_t hi = (v + (v < 0 ? -127 : 127)) / 254;
           xq[2 * r * K + b * qs + k] = (int8_t)hi;
           xq[2 * r * K + K + b * qs + k] = (int8_t)(v - 254 * hi);
           qsum += v;
@@ -829,6 +853,7 @@ struct QuantizedRows {
     ql->dx = dx.get();
     ql->xsum = xsum.get();
     ql->xqsum = xqsum.get();
+    ql->x8 = x_bits == 8;
   }
 };
 
@@ -838,8 +863,10 @@ ffi::Error matmul_quant(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyB
   if (xd.size() != 2 || wd.size() != 3 || yd.size() != 2)
     return ffi::Error::InvalidArgument(
         "specjax_matmul_quant: expects x [M, K], w [P, K / sb, R], y [M, N]");
-  if (w.element_type() != ffi::DataType::U8)
-    return ffi::Error::InvalidArgument("specjax_matmul_quant: w is uint8");
+  // The weight's bytes as int8 ask for x in 8 bits (quant.py: with_8bit_x), as uint8 in 16.
+  if (w.element_type() != ffi::DataType::U8 && w.element_type() != ffi::DataType::S8)
+    return ffi::Error::InvalidArgument("specjax_matmul_quant: w is uint8 (or int8)");
+  const int x_bits = w.element_type() == ffi::DataType::S8 ? 8 : 16;
   Problem pr{x.typed_data(), nullptr, y->typed_data(), xd[0], xd[1], yd[1], wd[0], {}};
   if (!quant_layout(wd[2], wd[1], pr.K, &pr.quant))
     return ffi::Error::InvalidArgument("specjax_matmul_quant: no type has this row size, or "
@@ -847,7 +874,7 @@ ffi::Error matmul_quant(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyB
   pr.quant.q = static_cast<const uint8_t*>(w.untyped_data());
   if (yd[0] != pr.M || pr.P * PANEL != pr.N)
     return ffi::Error::InvalidArgument("specjax_matmul_quant: shapes do not match the weight");
-  const QuantizedRows rows(pr.x, pr.M, pr.K, &pr.quant);
+  const QuantizedRows rows(pr.x, pr.M, pr.K, &pr.quant, x_bits);
   return run(pool, pr);  // returns once every panel is done: `rows` outlives the work
 }
 
@@ -937,7 +964,8 @@ extern "C" int specjax_matmul_run(const char* name, const float* x, const float*
 
 extern "C" int specjax_matmul_run_quant(const char* name, const float* x, const uint8_t* q,
                                         int64_t row_bytes, float* y, int64_t M, int64_t K,
-                                        int64_t N) {
+                                        int64_t N, int32_t x_bits) {
+  if (x_bits != 8 && x_bits != 16) return -2;
   const Isa* is = named(name);
   if (is == nullptr) return -1;
   Problem pr{x, nullptr, y, M, K, N, N / PANEL, {}};
@@ -945,7 +973,7 @@ extern "C" int specjax_matmul_run_quant(const char* name, const float* x, const 
   if (t < 0 || K % kTypeOf[t].sb || !quant_layout(row_bytes, K / kTypeOf[t].sb, K, &pr.quant))
     return -2;
   pr.quant.q = q;
-  const QuantizedRows rows(x, M, K, &pr.quant);
+  const QuantizedRows rows(x, M, K, &pr.quant, x_bits);
   const RowGroups groups(x, M, K, is->quant_rows, y, N);
   groups.into(&pr);
   run_panels(pr, 0, pr.P, *is);

@@ -91,11 +91,40 @@ assert len(_BY_ROW) == len(FORMATS)  # a row size names one type
 
 
 def format_of(packed) -> Format | None:
-    """The type of a packed quantized weight `[..., P, K / sb, R]` (uint8; R names it), None
-    for anything else (a float weight, packed or not)."""
-    if getattr(packed, "ndim", 0) < 3 or np.dtype(packed.dtype) != np.uint8:
+    """The type of a packed quantized weight `[..., P, K / sb, R]` (uint8, or int8: the same
+    bytes for 8-bit x, `with_8bit_x`; R names it), None for anything else (a float weight,
+    packed or not)."""
+    if getattr(packed, "ndim", 0) < 3 or np.dtype(packed.dtype) not in _BYTES:
         return None
     return _BY_ROW.get(packed.shape[-1])
+
+
+_BYTES = (np.dtype(np.uint8), np.dtype(np.int8))
+
+
+def x_bits(packed) -> int:
+    """The bits the CPU kernel rounds x to against this quantized weight: 16 (a uint8 weight:
+    within 0.05 logits of the float product on a 135M model) or 8 (int8: llama.cpp's Q8
+    activations, half the byte products on AVX2, logits within a few tenths to units)."""
+    _format(packed)
+    return 8 if np.dtype(packed.dtype) == np.int8 else 16
+
+
+def with_8bit_x(packed):
+    """The same weight (its bytes viewed, not copied) multiplied with x rounded to 8 bits a
+    value per block by the CPU kernel: the weight says how it is multiplied, so a step traced
+    with it is its own compiled program. Elsewhere (the jnp paths) it is the same weight."""
+    _format(packed)
+    if isinstance(packed, np.ndarray):
+        return packed.view(np.int8)
+    return jax.lax.bitcast_convert_type(packed, jnp.int8)
+
+
+def _as_bytes(packed):
+    """A quantized weight's bytes as uint8, whichever x it asks for (the jnp paths' shifts
+    and masks are on unsigned bytes)."""
+    return packed if np.dtype(packed.dtype) == np.uint8 else \
+        jax.lax.bitcast_convert_type(packed, jnp.uint8)
 
 
 def is_quantized(w) -> bool:
@@ -351,6 +380,7 @@ def _scale_min(f: Format, d, d2, sc, mn):
 def dequantize(packed: jax.Array) -> jax.Array:
     """`[..., P, nsb, R]` -> the float32 weight `[..., K, N]`."""
     f = _format(packed)
+    packed = _as_bytes(packed)
     lead = packed.shape[:-1]                                   # [..., P, nsb]
     subs = packed[..., :f.subs * f.sub_bytes].reshape(*lead, f.subs, f.sub_bytes)
     g = f.qs // 4                                              # quads a sub-block
@@ -394,6 +424,7 @@ def take_columns(packed: jax.Array, ids: jax.Array) -> jax.Array:
     token lookup of a tied embedding kept as its (packed) LM head. Only each column's own
     bytes are gathered: a step looks up one token a row."""
     f = _format(packed)
+    packed = _as_bytes(packed)
     p, c = (ids // PANEL)[..., None, None], (ids % PANEL)[..., None, None]
     at = lambda offsets: packed[p, jnp.arange(packed.shape[-2])[:, None], offsets]
     k = np.arange(f.sb)

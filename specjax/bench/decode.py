@@ -87,6 +87,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "weights kept quantized")
     parser.add_argument("--quantize", choices=("q8_0", "q4_0"), default=None,
                         help="quantize a float checkpoint's weights at load (LLM(quantize=))")
+    parser.add_argument("--activation-bits", type=int, choices=(16, 8), default=16,
+                        help="the bits x is rounded to against quantized weights "
+                             "(LLM(activation_bits=)): 8 as llama.cpp's Q8 activations")
     parser.add_argument("--llama-cpp", metavar="PYTHON", default=None,
                         help="an interpreter with llama-cpp-python installed (its own "
                              "virtualenv: specjax never installs it): time llama.cpp at batch "
@@ -281,6 +284,7 @@ def run(args: argparse.Namespace) -> None:
             folder = resolve_model_path(args.model)
         start = time.perf_counter()
         llm = LLM(str(folder), dtype=args.dtype, quantize=args.quantize,
+                  activation_bits=args.activation_bits,
                   max_batch_size=max(args.batch_sizes),
                   max_model_len=args.max_model_len, progress=False, warmup=True)
         setup = time.perf_counter() - start

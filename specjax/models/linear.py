@@ -97,3 +97,27 @@ def dequantized(module: M) -> M:
 
     nnx.replace_by_pure_dict(state, convert(nnx.to_pure_dict(state)))
     return nnx.merge(graphdef, state)
+
+
+ACTIVATION_BITS = (16, 8)
+
+
+def with_activation_bits(module: M, bits: int) -> M:
+    """`module` with its quantized weights multiplied against x rounded to `bits` a value by
+    the CPU kernel: 16 (as loaded), or 8 (llama.cpp's Q8 activations: the same weight bytes,
+    `quant.with_8bit_x`). 8 halves the kernel's byte products, which bound an AVX2-only core;
+    a row is still computed alone, so speculative output stays equal to plain. Float
+    weights are unaffected."""
+    if bits not in ACTIVATION_BITS:
+        raise ValueError(f"activation_bits is 16 or 8, not {bits!r}")
+    if bits == 16 or not is_quantized(module):
+        return module
+    graphdef, state = nnx.split(nnx.merge(*nnx.split(module)))
+
+    def convert(tree):
+        if isinstance(tree, dict):
+            return {k: convert(v) for k, v in tree.items()}
+        return quant.with_8bit_x(tree) if quant.is_quantized(tree) else tree
+
+    nnx.replace_by_pure_dict(state, convert(nnx.to_pure_dict(state)))
+    return nnx.merge(graphdef, state)

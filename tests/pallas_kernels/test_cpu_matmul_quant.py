@@ -48,7 +48,7 @@ def as_float(raw: np.ndarray, qtype: str) -> np.ndarray:
 def _lib():
     lib = ctypes.CDLL(str(cpu_matmul.library_path()))
     lib.specjax_matmul_run_quant.argtypes = [ctypes.c_char_p, ctypes.c_void_p, ctypes.c_void_p,
-                                             ctypes.c_int64, ctypes.c_void_p] + [ctypes.c_int64] * 3
+                                             ctypes.c_int64, ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_int32]
     return lib
 
 
@@ -103,12 +103,12 @@ def test_native_pack_makes_the_numpy_paths_bytes(qtype):
         [quant.pack_numpy(raw, qtype), quant.pack_numpy(other, qtype)])] * 2))
 
 
-def _run_quant(lib, isa, x, packed):
+def _run_quant(lib, isa, x, packed, x_bits=16):
     f = quant.format_of(packed)
     k, n = quant.weight_shape(packed)
     y = np.full((x.shape[0], n), np.nan, np.float32)
     rc = lib.specjax_matmul_run_quant(isa.encode(), x.ctypes.data, packed.ctypes.data,
-                                      f.row_bytes, y.ctypes.data, x.shape[0], k, n)
+                                      f.row_bytes, y.ctypes.data, x.shape[0], k, n, x_bits)
     return None if rc == -1 else y
 
 
@@ -235,3 +235,30 @@ def test_an_accelerator_gets_the_dequantize_then_dot_path():
     assert "specjax_matmul" not in lower("cuda").mlir_module()
     if cpu_matmul.available():
         assert "specjax_matmul_quant" in lower("cpu").mlir_module()
+
+
+@pytest.mark.skipif(cpu_matmul.library_path() is None, reason="the kernel is not built")
+def test_8bit_x_alike_on_every_isa_rows_alone_or_together_and_within_its_bound():
+    """x rounded to 8 bits (an int8 view of the weight, `quant.with_8bit_x`): the AVX2 path
+    skips the zero low bytes, and still gives the portable path's results bit for bit, a row
+    the same alone or among others, within the 16-bit bound with the step max |x| / 127."""
+    lib = _lib()
+    x = np.random.default_rng(7).standard_normal((5, K)).astype(np.float32)
+    for qtype in quant.TYPES:
+        raw = gguf_blocks(qtype, 64, K)
+        packed = quant.pack_gguf(raw, qtype)
+        base = _run_quant(lib, "portable", x, packed, 8)
+        assert not np.array_equal(base, _run_quant(lib, "portable", x, packed, 16))
+        for isa in ISAS:
+            y = _run_quant(lib, isa, x, packed, 8)
+            if y is None:
+                continue
+            np.testing.assert_array_equal(y, base, err_msg=f"{qtype} {isa}")
+            np.testing.assert_array_equal(_run_quant(lib, isa, x[2:3], packed, 8), base[2:3])
+        exact = x.astype(np.float64) @ as_float(raw, qtype).astype(np.float64)
+        bound = _quant_bound(x, raw, qtype) * (32258 / 127)
+        assert (np.abs(base - exact) <= bound).all(), qtype
+    view = quant.with_8bit_x(packed)
+    assert quant.x_bits(view) == 8 and quant.x_bits(packed) == 16
+    np.testing.assert_array_equal(np.asarray(quant.dequantize(jnp.asarray(view))),
+                                  np.asarray(quant.dequantize(jnp.asarray(packed))))
