@@ -91,6 +91,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--quantize", choices=("q8_0", "q4_0"), default=None,
                         help="quantize a float checkpoint's weights at load, its LM head to "
                              "q8_0 (default: none, the checkpoint's own weights)")
+    parser.add_argument("--activation-bits", type=int, choices=(16, 8), default=16,
+                        help="bits the CPU kernel rounds x to against quantized weights: 16 "
+                             "keeps logits within 0.05 of the float product; 8 (llama.cpp's "
+                             "Q8 activations) is faster on AVX2-only CPUs and moves them "
+                             "(default: 16; drafters always take 8)")
     parser.add_argument("--seed", type=int, default=None,
                         help="draws the seeds of requests that give none (default: random)")
     parser.add_argument("--log-level", default="info",
@@ -153,6 +158,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError("a multi-process job needs both --coordinator-address and "
                              "--num-processes > 1")
         llm = LLM(args.model, dtype=args.dtype, quantize=args.quantize,
+                  activation_bits=args.activation_bits,
                   max_batch_size=args.max_batch_size,
                   max_model_len=args.max_model_len, num_kv_blocks=args.kv_blocks,
                   seed=args.seed, speculative_config=spec,

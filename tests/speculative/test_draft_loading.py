@@ -1,9 +1,12 @@
 """A draft model named by path is read in its own format: a GGUF's quantized weights stay
 quantized (in the target's float32 a 0.5B draft model is 2 GB and read at 4x its file's bytes
-every draft step), a folder in the target's dtype."""
+every draft step), multiplied against 8-bit x (a drafter's rounding moves acceptance, never
+the output); a folder in the target's dtype."""
+import jax
 import numpy as np
 from flax import nnx
 
+from pallas_kernels.cpu_matmul import quant
 from specjax.models import Llama, ModelConfig, save_hf_checkpoint
 from specjax.models.gguf_checkpoint import gguf_metadata, gguf_tensors, write_gguf
 from specjax.models.linear import is_quantized
@@ -23,6 +26,8 @@ def test_a_gguf_draft_keeps_its_quantized_weights_a_folder_takes_the_targets_dty
     path = write_gguf(tmp_path / "draft.gguf", meta, tensors, types)
     draft = read_llama(str(path), "bfloat16")
     assert is_quantized(draft) and draft.config.dtype == "float32"
+    weights = [a for a in jax.tree.leaves(nnx.state(draft)) if quant.is_quantized(a)]
+    assert weights and all(quant.x_bits(a) == 8 for a in weights)
     save_hf_checkpoint(model, tmp_path / "folder")
     folder = read_llama(str(tmp_path / "folder"), "bfloat16")
     assert not is_quantized(folder) and folder.config.dtype == "bfloat16"
