@@ -38,14 +38,9 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from specjax.core.kv import KVPool
 from specjax.models.config import ModelConfig
+from specjax.models.roles import TP_AXIS
 
 TP = "tp"
-# Per-layer weight name -> the axis split over TP (negative: from the end).
-COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj",
-          "q_bias", "k_bias", "v_bias", "gate_bias", "up_bias")
-ROW = ("o_proj", "down_proj")
-SPLIT_AXIS = {**{n: -1 for n in COLUMN}, **{n: -2 for n in ROW}, "embed": 0, "lm_head": -1}
-
 HEADS = P(None, None, TP, None)              # q / attention output [B, T, H, hd]
 POOL = P(None, None, TP, None, None)         # K/V pool [L, N, KV, bs, hd]
 
@@ -97,7 +92,7 @@ class TensorParallel:
     def weight_spec(self, name: str, shape: tuple[int, ...]) -> P:
         """A target weight's spec by its name: split where Megatron splits it, if that axis
         divides (a vocabulary that does not stays replicated), else replicated."""
-        axis = SPLIT_AXIS.get(name)
+        axis = TP_AXIS.get(name)  # `specjax.models.roles`
         if axis is None or shape[axis] % self.size:
             return P()
         spec = [None] * len(shape)

@@ -32,27 +32,16 @@ from specjax.models.families import family_for_gguf, family_for_hf
 from specjax.models.fused import FUSED_GROUPS
 from specjax.models.hf_checkpoint import model_from_params
 from specjax.models.llama import Llama, layer_param_shapes
+from specjax.models.roles import LAYER, gguf_layer_names
 
 TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K",
                 "Q6_K")
 
-# our layer param -> GGUF tensor name after "blk.{i}."
-_LAYER_NAMES = {
-    "input_norm": "attn_norm.weight", "post_norm": "ffn_norm.weight",
-    "q_proj": "attn_q.weight", "k_proj": "attn_k.weight", "v_proj": "attn_v.weight",
-    "o_proj": "attn_output.weight",
-    "q_bias": "attn_q.bias", "k_bias": "attn_k.bias", "v_bias": "attn_v.bias",
-    "o_bias": "attn_output.bias",
-    "q_norm": "attn_q_norm.weight", "k_norm": "attn_k_norm.weight",
-    "gate_proj": "ffn_gate.weight", "up_proj": "ffn_up.weight", "down_proj": "ffn_down.weight",
-}
-# Gemma 3's sandwich norms (`ffn_norm` is the norm before its MLP, as in Llama files). Its
-# norm weights are stored as llama.cpp computes with them, 1 + w: as specjax does.
-_SANDWICH_NAMES = {"attn_out_norm": "post_attention_norm.weight",
-                   "ffn_out_norm": "post_ffw_norm.weight"}
-_LAYER_NAMES.update(_SANDWICH_NAMES)
+# our layer param -> GGUF tensor name after "blk.{i}." (Gemma 3's sandwich norms included:
+# its norm weights are stored as llama.cpp computes with them, 1 + w, as specjax does)
+_LAYER_NAMES = gguf_layer_names()
 _PARAM_OF = {name: key for key, name in _LAYER_NAMES.items()}
-_TRANSPOSED = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+_TRANSPOSED = {name for name, role in LAYER.items() if role.transposed and role.gguf}
 # Tensors llama.cpp keeps beside the weights that nothing here computes with.
 _IGNORED = {"rope_freqs.weight"}
 

@@ -21,41 +21,14 @@ from specjax.models.bamba import Bamba, layer_shapes
 from specjax.models.config import ModelConfig
 from specjax.models.families import family_for_hf
 from specjax.models.llama import Llama, layer_param_shapes
+from specjax.models.roles import hf_layer_names
 
-# specjax layer param -> (Hugging Face suffix after "model.layers.{i}.", transpose?)
-_LAYER_NAMES = {
-    "input_norm": ("input_layernorm.weight", False),
-    "post_norm": ("post_attention_layernorm.weight", False),
-    "q_proj": ("self_attn.q_proj.weight", True),
-    "k_proj": ("self_attn.k_proj.weight", True),
-    "v_proj": ("self_attn.v_proj.weight", True),
-    "o_proj": ("self_attn.o_proj.weight", True),
-    "q_bias": ("self_attn.q_proj.bias", False),
-    "k_bias": ("self_attn.k_proj.bias", False),
-    "v_bias": ("self_attn.v_proj.bias", False),
-    "o_bias": ("self_attn.o_proj.bias", False),
-    "q_norm": ("self_attn.q_norm.weight", False),
-    "k_norm": ("self_attn.k_norm.weight", False),
-    "gate_proj": ("mlp.gate_proj.weight", True),
-    "up_proj": ("mlp.up_proj.weight", True),
-    "down_proj": ("mlp.down_proj.weight", True),
-    "gate_bias": ("mlp.gate_proj.bias", False),
-    "up_bias": ("mlp.up_proj.bias", False),
-    "down_bias": ("mlp.down_proj.bias", False),
-}
-# Gemma 3's names where they differ (its sandwich norms: the norm before the MLP is
-# `pre_feedforward_layernorm`, `post_attention_layernorm` norms the attention's output).
-_SANDWICH_NAMES = {
-    "post_norm": ("pre_feedforward_layernorm.weight", False),
-    "attn_out_norm": ("post_attention_layernorm.weight", False),
-    "ffn_out_norm": ("post_feedforward_layernorm.weight", False),
-}
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
 
 
 def layer_names(config: ModelConfig) -> dict[str, tuple[str, bool]]:
     """specjax layer param -> (Hugging Face suffix, transpose?) for this config."""
-    return {**_LAYER_NAMES, **_SANDWICH_NAMES} if config.sandwich_norms else _LAYER_NAMES
+    return hf_layer_names(config.sandwich_norms)
 
 
 def norm_offset(config: ModelConfig) -> float:
@@ -127,7 +100,7 @@ def take_layers(config: ModelConfig, take, prefix: str) -> dict[str, np.ndarray]
 
 
 def _bamba_name(key: str) -> tuple[str, bool | None]:
-    return _BAMBA_NAMES.get(key) or _LAYER_NAMES[key]
+    return _BAMBA_NAMES.get(key) or hf_layer_names(False)[key]
 
 
 def take_bamba_layers(config: ModelConfig, take) -> dict[int, dict[str, np.ndarray]]:

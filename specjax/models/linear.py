@@ -23,14 +23,7 @@ from flax import nnx
 
 from pallas_kernels import cpu_matmul
 from pallas_kernels.cpu_matmul import quant
-
-# The parameters that are dense projections `[in, out]`, by name, in every model and head
-# (target layers fused or not, EAGLE-3, MTP, DFlash, DSpark, Bamba). Embeddings, norms,
-# biases and vocabulary maps are not.
-PROJECTIONS = frozenset({
-    "q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj", "gate_proj", "up_proj",
-    "gate_up_proj", "down_proj", "lm_head", "fc", "eh_proj", "markov_out", "in_proj",
-    "out_proj"})
+from specjax.models.roles import PROJECTIONS
 
 M = TypeVar("M", bound=nnx.Module)
 

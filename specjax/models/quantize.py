@@ -17,7 +17,8 @@ import numpy as np
 from flax import nnx
 
 from pallas_kernels.cpu_matmul import PANEL, quant
-from specjax.models.linear import PROJECTIONS, is_quantized
+from specjax.models.linear import is_quantized
+from specjax.models.roles import PROJECTIONS
 
 QUANTIZE = {"q8_0": "Q8_0", "q4_0": "Q4_0"}
 HEAD_TYPE = "Q8_0"

