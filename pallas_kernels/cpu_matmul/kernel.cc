@@ -592,8 +592,9 @@ __attribute__((target(SPECJAX_VNNI))) inline void quad_values16(const uint8_t* s
 
 // Up to 4 rows, the whole panel at once: vpdpbusd sums four byte products into an int32 lane,
 // one accumulator a row for x's hi bytes and one for its lo bytes (exact: at most 16 quads x
-// 4 x 255 x 127), then c = 254 hi + lo and the float terms in quant_portable's order.
-template <int T, int R>
+// 4 x 255 x 127), then c = 254 hi + lo and the float terms in quant_portable's order. 8-bit x
+// (LO false) has no lo bytes: half the vpdpbusd, the same integers.
+template <int T, int R, bool LO = true>
 __attribute__((target(SPECJAX_VNNI))) void quant_vnni(
     const QuantLayout& ql, int64_t K, const int8_t* xq, const float* dx, const float* xsum,
     const int32_t* xqsum, const uint8_t* panel, float* y, int64_t ldy) {
@@ -623,11 +624,14 @@ __attribute__((target(SPECJAX_VNNI))) void quant_vnni(
         quad_values16<T>(sub, g, &wa, &wb);
         for (int r = 0; r < R; ++r) {
           const int8_t* xr = xb + 2 * r * K + 4 * g;
-          const __m512i bh = _mm512_set1_epi32(quad(xr)), bl = _mm512_set1_epi32(quad(xr + K));
+          const __m512i bh = _mm512_set1_epi32(quad(xr));
           ha[r] = _mm512_dpbusd_epi32(ha[r], wa, bh);
           hb[r] = _mm512_dpbusd_epi32(hb[r], wb, bh);
-          la[r] = _mm512_dpbusd_epi32(la[r], wa, bl);
-          lb[r] = _mm512_dpbusd_epi32(lb[r], wb, bl);
+          if (LO) {
+            const __m512i bl = _mm512_set1_epi32(quad(xr + K));
+            la[r] = _mm512_dpbusd_epi32(la[r], wa, bl);
+            lb[r] = _mm512_dpbusd_epi32(lb[r], wb, bl);
+          }
         }
       }
       __m512 sa = da, sb2 = db, ma = da, mb = db;
@@ -683,6 +687,8 @@ __attribute__((target(SPECJAX_VNNI))) void quant_vnni(
 #define SPECJAX_QUANT4(FN, T) {FN<T, 1>, FN<T, 2>, FN<T, 3>, FN<T, 4>}
 #define SPECJAX_QUANT3(FN, T) {FN<T, 1>, FN<T, 2>, FN<T, 3>, nullptr}
 #define SPECJAX_QUANT3_HI(FN, T) {FN<T, 1, false>, FN<T, 2, false>, FN<T, 3, false>, nullptr}
+#define SPECJAX_QUANT4_HI(FN, T) \
+  {FN<T, 1, false>, FN<T, 2, false>, FN<T, 3, false>, FN<T, 4, false>}
 // Isa::quant's rows, one a type (quant.TYPES order).
 #define SPECJAX_TYPES(Q, FN)                                                           \
   {Q(FN, Q8_0), Q(FN, Q4_0), Q(FN, Q4_1), Q(FN, Q5_0), Q(FN, Q5_1), Q(FN, Q4_K),   \
@@ -698,7 +704,7 @@ const Isa kAvx512{"avx512", 12, SPECJAX_TABLE(micro_avx512), 3,
                   SPECJAX_TYPES(SPECJAX_QUANT3_HI, quant_avx2)};
 const Isa kAvx512Vnni{"avx512vnni", 12, SPECJAX_TABLE(micro_avx512), 4,
                       SPECJAX_TYPES(SPECJAX_QUANT4, quant_vnni),
-                      SPECJAX_TYPES(SPECJAX_QUANT4, quant_vnni)};
+                      SPECJAX_TYPES(SPECJAX_QUANT4_HI, quant_vnni)};
 const Isa kAvx2{"avx2", 3, {micro_avx2<1>, micro_avx2<2>, micro_avx2<3>}, 3,
                 SPECJAX_TYPES(SPECJAX_QUANT3, quant_avx2),
                 SPECJAX_TYPES(SPECJAX_QUANT3_HI, quant_avx2)};
