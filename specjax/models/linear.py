@@ -95,6 +95,12 @@ def dequantized(module: M) -> M:
 ACTIVATION_BITS = (16, 8)
 
 
+def activation_bits(module: nnx.Module) -> int:
+    """The bits x is rounded to against `module`'s quantized weights (16 for a float model)."""
+    bits = {quant.x_bits(a) for a in jax.tree.leaves(nnx.state(module)) if quant.is_quantized(a)}
+    return min(bits, default=16)
+
+
 def with_activation_bits(module: M, bits: int) -> M:
     """`module` with its quantized weights multiplied against x rounded to `bits` a value by
     the CPU kernel: 16 (as loaded), or 8 (llama.cpp's Q8 activations: the same weight bytes,

@@ -95,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="bits the CPU kernel rounds x to against quantized weights: 16 "
                              "keeps logits within 0.05 of the float product; 8 (llama.cpp's "
                              "Q8 activations) is faster on AVX2-only CPUs and moves them "
-                             "(default: 16; drafters always take 8)")
+                             "(default: 16; a draft model takes the same)")
     parser.add_argument("--seed", type=int, default=None,
                         help="draws the seeds of requests that give none (default: random)")
     parser.add_argument("--log-level", default="info",

@@ -80,7 +80,7 @@ class DraftTargetWorker(WorkerDefaults):
 
 def load_draft_llm(config, target: Llama, dtype: str) -> Llama:
     """The draft model: a smaller LM of the target's tokenizer."""
-    draft = read_llama(config.speculative_model, dtype)
+    draft = read_llama(config.speculative_model, dtype, target)
     if draft.config.vocab_size != target.config.vocab_size:
         raise ValueError(f"speculative_model vocab_size {draft.config.vocab_size} differs from "
                          f"the target's {target.config.vocab_size}: draft-target needs one "

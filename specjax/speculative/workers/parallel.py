@@ -216,7 +216,7 @@ class DFlashWorker(WorkerDefaults):
 
 def load_pard_model(config, target: Llama, dtype: str) -> Llama:
     """The PARD model: the target's vocabulary plus (past it, or inside it) the mask token."""
-    draft = read_llama(config.speculative_model, dtype)
+    draft = read_llama(config.speculative_model, dtype, target)
     V, Vd = target.config.vocab_size, draft.config.vocab_size
     if Vd < V:
         raise ValueError(f"the PARD model's vocab_size {Vd} is smaller than the target's {V}: "
