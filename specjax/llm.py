@@ -16,7 +16,7 @@ from specjax.engine.engine import Engine, EngineConfig
 from specjax.engine.request import RequestOutput
 from specjax.infill import FimFormat
 from specjax.models import Llama
-from specjax.models.linear import ACTIVATION_BITS, with_activation_bits
+from specjax.models.linear import check_activation_bits, with_activation_bits
 from specjax.models.quantize import check_quantize, quantize_model
 from specjax.models.registry import load_model, resolve_model_path
 from specjax.sampling_params import SamplingParams
@@ -97,8 +97,7 @@ class LLM:
                  coordinator_address: str | None = None, num_processes: int = 1,
                  process_id: int = 0, warmup: bool = False, progress: bool = True):
         check_quantize(quantize)
-        if activation_bits not in ACTIVATION_BITS:
-            raise ValueError(f"activation_bits is 16 or 8, not {activation_bits!r}")
+        check_activation_bits(activation_bits)
         if (num_processes != 1 or coordinator_address is not None) \
                 and not distributed.initialized():
             distributed.initialize(coordinator_address, num_processes, process_id)

@@ -25,8 +25,9 @@
 //
 // A weight whose bytes arrive as int8 (quant.with_8bit_x) asks for x in 8 bits instead, as
 // llama.cpp's Q8 activations: v = 254 round(127 x / max |x|), the same dx, so lo = 0 and every
-// path computes the same integers; the AVX2 kernels skip the zero low bytes (half the
-// vpmaddubsw, which bounds them on AVX2-only cores). Still row by row: exact speculation holds.
+// path computes the same integers; the AVX2 and VNNI kernels skip the zero low bytes (half the
+// vpmaddubsw, which bounds them on AVX2-only cores; half the vpdpbusd). Still row by row:
+// exact speculation holds.
 //
 // ISA chosen at run time (AVX-512 VNNI, AVX-512F, AVX2+FMA, portable C++); threads from XLA's
 // intra-op pool. AVX-512 machines without VNNI run the AVX2 path's quantized kernels.
@@ -747,10 +748,10 @@ void run_panels(const Problem& pr, int64_t p0, int64_t p1, const Isa& is = isa()
     for (int64_t p = p0; p < p1; ++p)
       for (int64_t g = 0; g < pr.ngroups; ++g) {
         const int64_t m0 = pr.groups[g].m0, rows = pr.groups[g].rows;
-        (ql.x8 ? is.quant8 : is.quant)[ql.type][rows - 1](ql, pr.K, ql.xq + 2 * m0 * pr.K, ql.dx + m0 * ql.nb,
-                                    ql.xsum + m0 * ql.nb, ql.xqsum + m0 * ql.nb,
-                                    ql.q + p * ql.nsb * ql.row_bytes,
-                                    pr.y + m0 * pr.N + p * PANEL, pr.N);
+        const QuantFn fn = (ql.x8 ? is.quant8 : is.quant)[ql.type][rows - 1];
+        fn(ql, pr.K, ql.xq + 2 * m0 * pr.K, ql.dx + m0 * ql.nb, ql.xsum + m0 * ql.nb,
+           ql.xqsum + m0 * ql.nb, ql.q + p * ql.nsb * ql.row_bytes,
+           pr.y + m0 * pr.N + p * PANEL, pr.N);
       }
     return;
   }

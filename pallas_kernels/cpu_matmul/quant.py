@@ -105,7 +105,7 @@ _BYTES = (np.dtype(np.uint8), np.dtype(np.int8))
 def x_bits(packed) -> int:
     """The bits the CPU kernel rounds x to against this quantized weight: 16 (a uint8 weight:
     within 0.05 logits of the float product on a 135M model) or 8 (int8: llama.cpp's Q8
-    activations, half the byte products on AVX2, logits within a few tenths to units)."""
+    activations, half the byte products on AVX2 and VNNI, logits within a few tenths to units)."""
     _format(packed)
     return 8 if np.dtype(packed.dtype) == np.int8 else 16
 

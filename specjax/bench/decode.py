@@ -49,6 +49,7 @@ from specjax.cli import require
 from specjax.llm import LLM
 from specjax.models import Llama, ModelConfig, save_hf_checkpoint
 from specjax.models.gguf_checkpoint import gguf_types, is_gguf
+from specjax.models.linear import ACTIVATION_BITS
 from specjax.models.linear import is_quantized
 from specjax.models.registry import installed_help, resolve_model_path
 from specjax.sampling_params import SamplingParams
@@ -87,7 +88,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "weights kept quantized")
     parser.add_argument("--quantize", choices=("q8_0", "q4_0"), default=None,
                         help="quantize a float checkpoint's weights at load (LLM(quantize=))")
-    parser.add_argument("--activation-bits", type=int, choices=(16, 8), default=16,
+    parser.add_argument("--activation-bits", type=int, choices=ACTIVATION_BITS, default=16,
                         help="the bits x is rounded to against quantized weights "
                              "(LLM(activation_bits=)): 8 as llama.cpp's Q8 activations")
     parser.add_argument("--llama-cpp", metavar="PYTHON", default=None,

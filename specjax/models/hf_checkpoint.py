@@ -24,6 +24,7 @@ from specjax.models.llama import Llama, layer_param_shapes
 from specjax.models.roles import hf_layer_names
 
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
+_LLAMA_NAMES = hf_layer_names(sandwich_norms=False)   # what Bamba's attention layers share
 
 
 def layer_names(config: ModelConfig) -> dict[str, tuple[str, bool]]:
@@ -100,7 +101,7 @@ def take_layers(config: ModelConfig, take, prefix: str) -> dict[str, np.ndarray]
 
 
 def _bamba_name(key: str) -> tuple[str, bool | None]:
-    return _BAMBA_NAMES.get(key) or hf_layer_names(False)[key]
+    return _BAMBA_NAMES.get(key) or _LLAMA_NAMES[key]
 
 
 def take_bamba_layers(config: ModelConfig, take) -> dict[int, dict[str, np.ndarray]]:

@@ -95,6 +95,11 @@ def dequantized(module: M) -> M:
 ACTIVATION_BITS = (16, 8)
 
 
+def check_activation_bits(bits: Any) -> None:
+    if bits not in ACTIVATION_BITS:
+        raise ValueError(f"activation_bits is 16 or 8, not {bits!r}")
+
+
 def activation_bits(module: nnx.Module) -> int:
     """The bits x is rounded to against `module`'s quantized weights (16 for a float model)."""
     bits = {quant.x_bits(a) for a in jax.tree.leaves(nnx.state(module)) if quant.is_quantized(a)}
@@ -107,8 +112,7 @@ def with_activation_bits(module: M, bits: int) -> M:
     `quant.with_8bit_x`). 8 halves the kernel's byte products, which bound an AVX2-only core;
     a row is still computed alone, so speculative output stays equal to plain. Float
     weights are unaffected."""
-    if bits not in ACTIVATION_BITS:
-        raise ValueError(f"activation_bits is 16 or 8, not {bits!r}")
+    check_activation_bits(bits)
     if bits == 16 or not is_quantized(module):
         return module
     graphdef, state = nnx.split(nnx.merge(*nnx.split(module)))

@@ -17,7 +17,7 @@ PROJECTION, NORM, BIAS, EMBEDDING = "projection", "norm", "bias", "embedding"
 @dataclasses.dataclass(frozen=True)
 class Role:
     kind: str
-    hf: str | None = None          # after "model.layers.{i}." (a layer's) or "model."
+    hf: str | None = None          # after "model.layers.{i}." (OTHER's: their loaders name them)
     gguf: str | None = None        # after "blk.{i}."
     # The axis split over the "tp" mesh axis (negative: from the end); None: replicated.
     # Column projections (and their biases) split by output features, row ones by input.
